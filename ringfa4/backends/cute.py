@@ -1,0 +1,98 @@
+"""Our own CuTe DSL kernels (ringfa4.kernels) on Hopper (sm_90). cutlass is imported only when a
+kernel is compiled, so CPU-only users never need nvidia-cutlass-dsl."""
+import importlib.util
+import math
+
+import torch
+
+HEAD_DIMS = (64, 128)
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_ALIGN_ELEMS = 8  # TMA: 16-byte aligned base and strides
+
+
+def _layout_reason(name, t):
+    if t.stride(-1) != 1:
+        return f"{name} must have a contiguous head dimension (stride 1), got strides {t.stride()}"
+    if any(s % _ALIGN_ELEMS for s in t.stride()[:-1]) or t.data_ptr() % 16:
+        return (f"{name} needs a 16-byte aligned start and strides that are multiples of "
+                f"{_ALIGN_ELEMS} elements (TMA), got strides {t.stride()}")
+    return None
+
+
+def unsupported_reason(q, k, v, causal, grad):
+    if grad:
+        return "cute backward kernel: not built yet (issue 4)"
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        return f"cute kernels run on CUDA tensors only, got devices {q.device}, {k.device}, {v.device}"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if (major, minor) != (9, 0):
+        return f"cute kernels are built for Hopper (sm_90), this GPU is sm_{major}{minor}"
+    if q.dtype not in _DTYPE_NAMES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"cute kernels take bfloat16 or float16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "q, k, v must be 4-D (batch, seq, heads, head_dim)"
+    d = q.shape[-1]
+    if d not in HEAD_DIMS or k.shape[-1] != d or v.shape[-1] != d:
+        return f"cute kernels support head_dim in {HEAD_DIMS} (same for q, k, v), got {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}"
+    if causal and q.shape[1] != k.shape[1]:
+        return f"cute causal attention needs equal query and key lengths, got {q.shape[1]} and {k.shape[1]}"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        reason = _layout_reason(name, t)
+        if reason:
+            return reason
+    if importlib.util.find_spec("cutlass") is None:
+        return "nvidia-cutlass-dsl is not installed"
+    return None
+
+
+def _check_out(name, t, shape, dtype, device):
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
+        raise ValueError(
+            f"{name} must be a {dtype} tensor of shape {tuple(shape)} on {device}, "
+            f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+        )
+
+
+def forward(q, k, v, causal, softmax_scale, out=None, lse=None):
+    """(out, lse). ``out`` (like q) and ``lse`` (float32, (b, h, sq), contiguous last dim) may be
+    given preallocated; they are then written and returned."""
+    reason = unsupported_reason(q, k, v, causal, grad=False)
+    if reason is not None:
+        raise ValueError(f"backend 'cute' cannot run these inputs: {reason}")
+    b, sq, h, d = q.shape
+    if k.shape[0] != b or v.shape[:3] != k.shape[:3] or h % k.shape[2]:
+        raise ValueError(
+            f"k and v must be (batch={b}, seq_k, kv_heads, {d}) with heads={h} a multiple of "
+            f"kv_heads, got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        _check_out("out", out, q.shape, q.dtype, q.device)
+        reason = _layout_reason("out", out)
+        if reason:
+            raise ValueError(reason)
+    if lse is None:
+        lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    else:
+        _check_out("lse", lse, (b, h, sq), torch.float32, q.device)
+        if lse.stride(-1) != 1:
+            raise ValueError(f"lse must have a contiguous last dimension, got strides {lse.stride()}")
+    if out.numel() == 0:
+        return out, lse
+    if k.shape[1] == 0:  # no keys at all: every row is fully masked
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out, lse
+
+    from ringfa4.kernels.compile import compile_variant, fwd_defaults
+
+    kernel = compile_variant(fwd_defaults(_DTYPE_NAMES[q.dtype], d, causal))
+    kernel(q.detach(), k.detach(), v.detach(), out.detach(), lse, scale)
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, dv=None,
+             deterministic=False):
+    raise NotImplementedError("cute backward kernel: not built yet (issue 4)")

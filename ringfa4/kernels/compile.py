@@ -1,0 +1,83 @@
+"""Compile cache for the CuTe DSL kernels.
+
+Kernels are compiled once per configuration (every compile-time value, plus the target arch)
+against fake tensors whose batch, sequence and head counts are symbolic, so a new sequence
+length, batch or head count reuses the compiled kernel. Compiled callables go through TVM-FFI:
+they take torch tensors directly and launch on torch's current CUDA stream.
+
+VARIANTS is the list of shipped kernel configurations (`python -m ringfa4.kernels --dump`
+compiles each). An entry is any object with a ``name`` and a ``compile_args()`` returning
+(kernel object, fake arguments); other kernels (the backward) append their own.
+"""
+import os
+import time
+from dataclasses import replace
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from ringfa4.kernels.fwd_sm90 import FwdSm90, FwdSm90Config
+
+ARCH = "sm_90a"
+_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+_ALIGN_ELEMS = 8  # 16 bytes of bf16/fp16: TMA needs 16-byte aligned strides and base
+
+
+def fake_bshd(dtype, b, s, h, d):
+    """A (b, s, h, d) tensor with symbolic shape/strides, the head dim contiguous."""
+    stride = tuple(cute.sym_int64(divisibility=_ALIGN_ELEMS) for _ in range(3)) + (1,)
+    return cute.runtime.make_fake_tensor(dtype, (b, s, h, d), stride=stride, assumed_align=16)
+
+
+def fwd_defaults(dtype: str, head_dim: int, causal: bool) -> FwdSm90Config:
+    """The configuration `forward` uses for these inputs (tiles chosen as upstream FA3/FA4 do
+    for H100: 128x128 at head dim 128, three consumer warpgroups at 64)."""
+    tile_m = 192 if head_dim <= 64 else 128
+    return FwdSm90Config(
+        dtype=dtype, head_dim=head_dim, causal=causal, tile_m=tile_m, tile_n=128, lpt=causal,
+    )
+
+
+def _fwd_compile_args(cfg: FwdSm90Config):
+    dt = _DTYPES[cfg.dtype]
+    b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
+    q = fake_bshd(dt, b, sq, h, cfg.head_dim)
+    k = fake_bshd(dt, b, sk, hk, cfg.head_dim)
+    v = fake_bshd(dt, b, sk, hk, cfg.head_dim)
+    o = fake_bshd(dt, b, sq, h, cfg.head_dim)
+    lse = cute.runtime.make_fake_tensor(
+        Float32, (b, h, sq), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
+    )
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return FwdSm90(cfg), (q, k, v, o, lse, Float32(1.0), stream)
+
+
+FwdSm90Config.compile_args = _fwd_compile_args
+
+# Shipped forward variants: the defaults for every supported (dtype, head_dim, causal).
+VARIANTS = [
+    fwd_defaults(dt, d, c) for dt in ("bf16", "fp16") for d in (64, 128) for c in (False, True)
+]
+
+_cache = {}
+compile_seconds = {}
+
+
+def compile_variant(cfg, options: str = ""):
+    """The compiled callable for cfg (cached on cfg, the arch and the options)."""
+    key = (cfg, ARCH, options)
+    fn = _cache.get(key)
+    if fn is None:
+        # Without a GPU the DSL would silently target sm_100a; pin the arch we build for.
+        os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
+        kernel, args = cfg.compile_args()
+        t0 = time.perf_counter()
+        fn = cute.compile(kernel, *args, options=("--enable-tvm-ffi " + options).strip())
+        compile_seconds[key] = time.perf_counter() - t0
+        _cache[key] = fn
+    return fn
+
+
+def fwd_variant(dtype: str, head_dim: int, causal: bool, **overrides) -> FwdSm90Config:
+    return replace(fwd_defaults(dtype, head_dim, causal), **overrides)

@@ -1,0 +1,547 @@
+"""Attention forward for Hopper (sm_90a), warp-specialised, returning the log-sum-exp.
+
+One CTA computes a tile of tile_m query rows of one (batch, head) against every visible key:
+- warpgroup 0: one producer warp issues TMA loads: Q once, then K and V blocks through a
+  num_stages-deep ring of shared-memory buffers guarded by mbarriers (full/empty per stage).
+  It gives most of its registers back (setmaxnreg) to the consumers.
+- warpgroups 1..num_wg: consumers, 64 query rows each. S = Q K^T is a wgmma with both operands
+  in shared memory; P = softmax(S) stays in registers and is the A operand of O += P V.
+Techniques, each a compile-time switch so benchmarks can show what it buys:
+- intra_wg_overlap: a consumer issues S_{j+1} = Q K_{j+1}^T and O += P_j V_j back to back and
+  runs the softmax of S_{j+1} while the P_j V_j product is still in the tensor cores.
+- pingpong: named barriers hand the tensor cores from one consumer warpgroup to the next, so
+  one warpgroup's softmax runs while the other's matmuls do.
+- rescale_threshold: conditional O rescaling (softmax.OnlineSoftmax).
+- ex2_fma_per16: share of exponentials computed by polynomial on the FMA pipe.
+- lpt: causal tiles ordered longest-first, heads grouped so a group's K/V stays in L2.
+GQA/MQA read the kv head h // (heads / kv_heads) in place. Ragged tails rely on TMA: loads
+outside the tensor fill zeros, stores outside it are dropped; scores past seqlen_k are masked.
+"""
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.utils import LayoutEnum
+
+from ringfa4.kernels.softmax import (
+    LOG2_E,
+    OnlineSoftmax,
+    acc_as_operand_a,
+    acc_rows_view,
+    convert_to,
+    scale_rows,
+)
+
+# Named barrier ids (0 is __syncthreads).
+_BAR_EPILOGUE = 1
+_BAR_SCHED0 = 2  # one per consumer warpgroup: _BAR_SCHED0 + (wg - 1)
+# Bytes of L2 the LPT order plans to keep K/V of a head group in (H100/H200 have 50/60 MB).
+_L2_BUDGET = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FwdSm90Config:
+    """Every compile-time value of the kernel; the compile cache is keyed on it."""
+
+    dtype: str  # "bf16" | "fp16"
+    head_dim: int
+    causal: bool
+    tile_m: int
+    tile_n: int
+    num_stages: int = 2
+    intra_wg_overlap: bool = True
+    pingpong: bool = True
+    rescale_threshold: Optional[float] = 8.0
+    ex2_fma_per16: int = 0
+    lpt: bool = False
+
+    @property
+    def name(self) -> str:
+        flags = [
+            "ovl" if self.intra_wg_overlap else "noovl",
+            "pp" if self.pingpong else "nopp",
+            f"rs{self.rescale_threshold:g}" if self.rescale_threshold is not None else "rsalways",
+            f"ex{self.ex2_fma_per16}",
+        ] + (["lpt"] if self.lpt else [])
+        return (
+            f"fwd_sm90_{self.dtype}_d{self.head_dim}_{'causal' if self.causal else 'full'}"
+            f"_{self.tile_m}x{self.tile_n}s{self.num_stages}_" + "_".join(flags)
+        )
+
+
+def _smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
+    )
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def _permute(t: cute.Tensor, modes) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+@cute.jit
+def _wgmma(tiled_mma, acc, tA, tB, zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int]):
+    """One warpgroup's acc (+)= A @ B over the whole K extent, as one wgmma commit group."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
+        cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if const_expr(wait >= 0):
+        warpgroup.wait_group(wait)
+
+
+class FwdSm90:
+    def __init__(self, cfg: FwdSm90Config):
+        assert cfg.dtype in ("bf16", "fp16")
+        assert cfg.head_dim in (64, 96, 128) and cfg.tile_m % 64 == 0 and cfg.tile_n % 16 == 0
+        self.cfg = cfg
+        self.dtype = cutlass.BFloat16 if cfg.dtype == "bf16" else cutlass.Float16
+        self.d = cfg.head_dim
+        self.tile_m, self.tile_n, self.stages = cfg.tile_m, cfg.tile_n, cfg.num_stages
+        self.num_wg = cfg.tile_m // 64
+        assert self.num_wg in (2, 3), "two or three consumer warpgroups"
+        self.num_mma_threads = 128 * self.num_wg
+        self.num_threads = 128 * (self.num_wg + 1)
+        # setmaxnreg budgets: 64K registers per SM shared by one CTA's warpgroups.
+        self.mma_regs, self.producer_regs = {2: (240, 24), 3: (160, 32)}[self.num_wg]
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, sq, h, d)
+        mK: cute.Tensor,  # (b, sk, hk, d)
+        mV: cute.Tensor,  # (b, sk, hk, d)
+        mO: cute.Tensor,  # (b, sq, h, d)
+        mLSE: cute.Tensor,  # (b, h, sq) fp32
+        softmax_scale: Float32,
+        stream,
+    ):
+        # Kernel views: (seq, d, head, batch) and lse (seq, head, batch).
+        mQ, mK, mV, mO = [_permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        mLSE = _permute(mLSE, [2, 1, 0])
+        dt = self.dtype
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.tile_n),
+        )
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.d),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        sQ_layout = _smem_layout(dt, self.tile_m, self.d)
+        sK_layout = _smem_layout(dt, self.tile_n, self.d, self.stages)
+        sV_layout = _smem_layout(dt, self.tile_n, self.d, self.stages)
+        sO_layout = sQ_layout  # O is staged in Q's buffer once Q is no longer read
+
+        load_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (self.tile_m, self.d))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            load_op, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.d), 1
+        )
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            load_op, mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.d), 1
+        )
+        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.tile_m, self.d)
+        )
+        self.tx_q = cute.size_in_bytes(dt, sQ_layout)
+        self.tx_kv = cute.size_in_bytes(dt, cute.select(sK_layout, mode=[0, 1]))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+
+        num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
+        num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
+        self.kernel(
+            tma_Q, tma_K, tma_V, tma_O, mLSE,
+            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+            softmax_scale * LOG2_E,
+            sQ_layout, sK_layout, sV_layout, sO_layout,
+            tiled_mma_qk, tiled_mma_pv, SharedStorage,
+        ).launch(
+            grid=[num_tiles, 1, 1],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    @cute.jit
+    def tile_coords(self, seqlen_q: Int32, seqlen_k: Int32, heads: Int32, batch: Int32):
+        """(m_block, head, batch) of this CTA. LPT: heads in groups whose K/V fit in L2, each
+        group's tiles longest (last query block under causal) first."""
+        tile = Int32(cute.arch.block_idx()[0])
+        num_m = (seqlen_q + self.tile_m - 1) // self.tile_m
+        num_bh = heads * batch
+        m_block = Int32(0)
+        bh = Int32(0)
+        if const_expr(self.cfg.lpt):
+            kv_bytes = seqlen_k * (self.d * 2 * (self.dtype.width // 8))
+            group = cutlass.max(Int32(1), cutlass.min(num_bh, Int32(_L2_BUDGET) // cutlass.max(kv_bytes, Int32(1))))
+            g = tile // (group * num_m)
+            first = g * group
+            in_group = cutlass.min(group, num_bh - first)
+            r = tile - first * num_m
+            m_block = num_m - 1 - r // in_group
+            bh = first + r % in_group
+        else:
+            m_block = tile % num_m
+            bh = tile // num_m
+        return m_block, bh % heads, bh // heads
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+        tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+        tma_atom_O: cute.CopyAtom,
+        scale_log2: Float32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+                cpasync.prefetch_descriptor(atom)
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # One release per consumer warp (PipelineTmaAsync signals from lane 0 of each warp).
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tx_q, defer_sync=True,
+        )
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.stages,
+            producer_group=producer, consumer_group=consumers, tx_count=self.tx_kv,
+            defer_sync=True,
+        )
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.stages,
+            producer_group=producer, consumer_group=consumers, tx_count=self.tx_kv,
+            defer_sync=True,
+        )
+        pipeline_init_arrive()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        m_block, head, batch = self.tile_coords(seqlen_q, seqlen_k, mQ.shape[2], mQ.shape[3])
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        n_block_max = (seqlen_k + self.tile_n - 1) // self.tile_n
+        if const_expr(self.cfg.causal):
+            n_block_max = cutlass.min(
+                n_block_max, ((m_block + 1) * self.tile_m + self.tile_n - 1) // self.tile_n
+            )
+        pipeline_init_wait()
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.load(
+                    mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                    pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_block_max,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self.consume(
+                mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                pipe_q, pipe_k, pipe_v, scale_log2, m_block, head, batch,
+                seqlen_q, seqlen_k, n_block_max,
+            )
+
+    @cute.jit
+    def load(
+        self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+        pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_block_max,
+    ):
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.d), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
+        one = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+
+        # Blocks run from the last (diagonal under causal) down to 0: masked blocks first.
+        # K of block j+1 is requested before V of block j, the order the consumers use them.
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        self.load_block(pipe_k, tma_atom_K, tKgK, tKsK, n_block_max - 1, state)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        for i in cutlass.range(n_block_max - 1, unroll=1):
+            prev = state.clone()
+            state.advance()
+            self.load_block(pipe_k, tma_atom_K, tKgK, tKsK, n_block_max - 2 - i, state)
+            self.load_block(pipe_v, tma_atom_V, tVgV, tVsV, n_block_max - 1 - i, prev)
+        self.load_block(pipe_v, tma_atom_V, tVgV, tVsV, 0, state)
+
+    @cute.jit
+    def load_block(self, pipe, atom, tXgX, tXsX, n_block, state):
+        pipe.producer_acquire(state)
+        cute.copy(atom, tXgX[None, n_block], tXsX[None, state.index],
+                  tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    # ------------------------------------------------------------------ consumers
+    def sched_sync(self):
+        """Wait for this warpgroup's turn on the tensor cores."""
+        if const_expr(self.cfg.pingpong):
+            wg = cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // 128)
+            cute.arch.barrier(barrier_id=_BAR_SCHED0 - 1 + wg, number_of_threads=256)
+
+    def sched_pass(self):
+        """Hand the tensor cores to the next consumer warpgroup."""
+        if const_expr(self.cfg.pingpong):
+            wg = cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // 128)
+            nxt = wg % self.num_wg  # consumer warpgroups are 1..num_wg; 0-based next
+            cute.arch.barrier_arrive(barrier_id=_BAR_SCHED0 + nxt, number_of_threads=256)
+
+    @cute.jit
+    def consume(
+        self, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+        pipe_q, pipe_k, pipe_v, scale_log2, m_block, head, batch, seqlen_q, seqlen_k, n_block_max,
+    ):
+        tidx = cute.arch.thread_idx()[0] - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_first_thread = cute.make_layout(self.num_wg, stride=128)
+        wg_qk = tiled_mma_qk.get_slice(wg_first_thread(wg))
+        wg_pv = tiled_mma_pv.get_slice(wg_first_thread(wg))
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        # V^T view (d, tile_n, stage): the B operand of O = P V is MN-major.
+        sVt = cute.composition(
+            sV, cute.make_ordered_layout((self.d, self.tile_n, self.stages), order=(1, 0, 2))
+        )
+        tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
+        acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((self.tile_m, self.d)), Float32)
+        tOrP = cute.make_rmem_tensor(
+            wg_pv.partition_shape_A((self.tile_m, self.tile_n)), self.dtype
+        )
+        s_shape = wg_qk.partition_shape_C((self.tile_m, self.tile_n))
+
+        # Score coordinates: this thread's (runtime) and thread 0's (compile-time) columns.
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS = acc_rows_view(thr_qk.partition_C(cS))
+        t0ScS = acc_rows_view(tiled_mma_qk.get_slice(0).partition_C(cS))
+
+        softmax = OnlineSoftmax(
+            scale_log2, cute.size(tScS, mode=[0]), self.cfg.rescale_threshold,
+            self.cfg.ex2_fma_per16,
+        )
+        acc_O.fill(0.0)
+
+        ctx = SimpleNamespace(
+            tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
+            tOrVt=tOrVt, tOrP=tOrP, acc_O=acc_O, s_shape=s_shape, tScS=tScS, t0ScS=t0ScS,
+            softmax=softmax, pipe_k=pipe_k, pipe_v=pipe_v, m_block=m_block, seqlen_k=seqlen_k,
+        )
+        self.sched_init()
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_q.consumer_wait(q_state)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        causal = self.cfg.causal
+        ovl = self.cfg.intra_wg_overlap
+        # First (rightmost) block: the only one that can hold keys past seqlen_k.
+        n_first = n_block_max - 1
+        if const_expr(ovl):
+            pipe_k.consumer_wait(state)
+            acc_S = self.qk(ctx, state.index)
+            warpgroup.wait_group(0)
+            pipe_k.consumer_release(state)
+            self.apply_mask(ctx, acc_S, n_first, causal, True)
+            softmax.step(acc_S, is_first=True)
+            convert_to(acc_as_operand_a(acc_S), tOrP)
+        else:
+            self.sched_sync()
+            state = self.step_serial(ctx, state, n_first, causal, True, True)
+        # Blocks crossing the diagonal still need the causal mask; the rest need none.
+        n_unmasked = n_first
+        if const_expr(causal):
+            n_unmasked = cutlass.min(n_first, (m_block * self.tile_m + 1) // self.tile_n)
+            for i in cutlass.range(n_first - n_unmasked, unroll=1):
+                n_block = n_first - 1 - i
+                if const_expr(ovl):
+                    state = self.step_overlap(ctx, state, n_block, True)
+                else:
+                    state = self.step_serial(ctx, state, n_block, True, False, False)
+        for i in cutlass.range(n_unmasked, unroll=1):
+            n_block = n_unmasked - 1 - i
+            if const_expr(ovl):
+                state = self.step_overlap(ctx, state, n_block, False)
+            else:
+                state = self.step_serial(ctx, state, n_block, False, False, False)
+        if const_expr(ovl):
+            pipe_v.consumer_wait(state)
+            self.pv(ctx, state.index, 0)
+            pipe_v.consumer_release(state)
+        else:
+            self.sched_pass()
+
+        self.epilogue(
+            acc_O, softmax, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx,
+            m_block, head, batch, seqlen_q,
+        )
+
+    @cute.jit
+    def qk(self, ctx, stage):
+        acc_S = cute.make_rmem_tensor(ctx.s_shape, Float32)
+        _wgmma(ctx.tiled_mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, stage], True, -1)
+        return acc_S
+
+    @cute.jit
+    def pv(self, ctx, stage, wait: cutlass.Constexpr[int]):
+        _wgmma(ctx.tiled_mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt[None, None, None, stage], False, wait)
+
+    @cute.jit
+    def rescale_o(self, ctx, row_scale):
+        if const_expr(self.cfg.rescale_threshold is not None):
+            if ctx.softmax.needs_rescale(row_scale):
+                scale_rows(ctx.acc_O, row_scale)
+        else:
+            scale_rows(ctx.acc_O, row_scale)
+
+    @cute.jit
+    def step_overlap(self, ctx, state, n_block, causal: cutlass.Constexpr[bool]):
+        """S_{j+1} and P_j V_j are issued together; softmax(S_{j+1}) overlaps P_j V_j."""
+        v_state = state.clone()
+        state.advance()
+        ctx.pipe_k.consumer_wait(state)
+        self.sched_sync()
+        acc_S = self.qk(ctx, state.index)
+        ctx.pipe_v.consumer_wait(v_state)
+        self.pv(ctx, v_state.index, -1)
+        self.sched_pass()
+        warpgroup.wait_group(1)
+        ctx.pipe_k.consumer_release(state)
+        if const_expr(causal):
+            self.apply_mask(ctx, acc_S, n_block, True, False)
+        row_scale = ctx.softmax.step(acc_S, is_first=False)
+        warpgroup.wait_group(0)
+        ctx.pipe_v.consumer_release(v_state)
+        convert_to(acc_as_operand_a(acc_S), ctx.tOrP)
+        self.rescale_o(ctx, row_scale)
+        return state
+
+    @cute.jit
+    def step_serial(
+        self, ctx, state, n_block, causal: cutlass.Constexpr[bool], seq: cutlass.Constexpr[bool],
+        is_first: cutlass.Constexpr[bool],
+    ):
+        """No overlap inside the warpgroup: S_j, softmax, then P_j V_j. The turn on the tensor
+        cores spans P_{j-1} V_{j-1} (previous call) and S_j."""
+        ctx.pipe_k.consumer_wait(state)
+        acc_S = self.qk(ctx, state.index)
+        self.sched_pass()
+        warpgroup.wait_group(0)
+        ctx.pipe_k.consumer_release(state)
+        if const_expr(causal or seq):
+            self.apply_mask(ctx, acc_S, n_block, causal, seq)
+        row_scale = ctx.softmax.step(acc_S, is_first=is_first)
+        convert_to(acc_as_operand_a(acc_S), ctx.tOrP)
+        if const_expr(not is_first):
+            self.rescale_o(ctx, row_scale)
+        ctx.pipe_v.consumer_wait(state)
+        self.sched_sync()
+        self.pv(ctx, state.index, 0)
+        ctx.pipe_v.consumer_release(state)
+        state.advance()
+        return state
+
+    @cute.jit
+    def sched_init(self):
+        # The first consumer warpgroup may start at once: pre-arrive on its own barrier.
+        if const_expr(self.cfg.pingpong):
+            wg = cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // 128)
+            if wg == 1:
+                cute.arch.barrier_arrive(barrier_id=_BAR_SCHED0, number_of_threads=256)
+
+    @cute.jit
+    def apply_mask(
+        self, ctx, acc_S, n_block, causal: cutlass.Constexpr[bool], seq: cutlass.Constexpr[bool]
+    ):
+        """-inf for keys past seqlen_k (seq) and, under causal, keys after the query.
+        Columns are compared as thread 0's compile-time column against a per-thread limit."""
+        s = acc_rows_view(acc_S)
+        tScS, t0ScS = ctx.tScS, ctx.t0ScS
+        col0 = tScS[0, 0][1] + n_block * self.tile_n
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            limit = ctx.seqlen_k - col0
+            if const_expr(causal):
+                row = tScS[r, 0][0] + ctx.m_block * self.tile_m
+                limit = cutlass.min(limit, row + 1 - col0)
+            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                if t0ScS[0, c][1] >= limit:
+                    s[r, c] = -Float32.inf
+
+    @cute.jit
+    def epilogue(
+        self, acc_O, softmax, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx,
+        m_block, head, batch, seqlen_q,
+    ):
+        inv_sum = softmax.finalize()
+        scale_rows(acc_O, inv_sum)
+        rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
+        convert_to(acc_O, rO)
+        # Every consumer has finished reading Q (the O staging buffer) before it is overwritten.
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
+        st_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+        )
+        thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tidx)
+        cute.copy(st_atom, thr_st.retile(rO), thr_st.partition_D(sO))
+
+        # lse: the quad thread holding column 0 of each row writes it.
+        cO = acc_rows_view(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
+        if cO[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(cO, mode=[0])):
+                row = m_block * self.tile_m + cO[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[row, head, batch] = softmax.row_sum[r]
+
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
+        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 4:
+            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.d), (m_block, 0))
+            tOsO, tOgO = cpasync.tma_partition(
+                tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                cute.group_modes(gO, 0, 2),
+            )
+            cute.copy(tma_atom_O, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
