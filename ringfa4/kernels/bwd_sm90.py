@@ -1,0 +1,700 @@
+"""Attention backward for Hopper (sm_90a) in CuTe DSL, from a given lse.
+
+One CTA owns a (tile_n x head_dim) block of K and V for one kv head and walks over every
+query tile that sees it (of every query head sharing that kv head, so GQA needs no dK/dV
+reduction), recomputing P from the lse it is given:
+
+    S^T = K Q^T          P^T = exp2(S^T * scale * log2(e) - lse * log2(e))
+    dP^T = V dO^T        dS^T = P^T * (dP^T - delta),  delta = rowsum(dO * O)
+    dV += P^T dO         dK += dS^T Q          dQ += dS K  (fp32, TMA reduce-add into global)
+
+Warp roles (384 threads): warp 0 loads Q, dO, lse, delta through a two-stage TMA pipeline;
+warp 1 reduces each dQ tile into global memory (cp.reduce.async.bulk.tensor add); warp groups
+1 and 2 each own 64 rows of the K/V block for S, dP, dV and dK, and half of the dQ tile. S and
+dP are computed transposed so that P^T and dS^T stay in registers as the A operand of the dV
+and dK products; only dS goes through shared memory (for dQ).
+
+Deterministic mode orders the dQ reductions: the reduction of KV block j into a dQ tile waits
+on a per-tile counter until blocks 0..j-1 have landed, so the sum order is fixed. CTAs are
+launched with the KV block as the fastest grid index, so a CTA only ever waits on CTAs that
+were launched before it.
+"""
+import math
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.utils import LayoutEnum
+
+LOG2_E = math.log2(math.e)
+
+# Named barriers (id 0 is __syncthreads).
+_BAR_PDS = 1  # dS tile of both MMA warp groups is in shared memory
+_BAR_DQ_FULL = 2  # + warp group: its dQ part is in shared memory (MMA WG -> dQ warp)
+_BAR_DQ_EMPTY = 4  # + warp group: its dQ buffer may be overwritten (dQ warp -> MMA WG)
+
+_NUM_MMA_WG = 2
+_WG_THREADS = 128
+
+
+def _seq_major(t: cute.Tensor) -> cute.Tensor:
+    """(b, s, h, d) -> (s, d, h, b): the two tiled modes first, as TMA and local_tile want."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+
+
+def _row_major_smem(dtype, rows: int, cols: int, stages: Optional[int] = None):
+    """Swizzled (rows, cols[, stages]) tile, cols contiguous; read both K- and MN-major by wgmma."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
+    )
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def _transpose(t: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes of a shared memory tensor (a view, no data movement)."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+def _acc_mn(acc: cute.Tensor, transpose: bool) -> cute.Tensor:
+    """View a wgmma accumulator ((2, 2, V), M, N) as (rows, cols) of the product
+    ((rows, cols) of its transpose when ``transpose``)."""
+    lay = cute.make_layout(acc.layout.shape)
+    shape = ((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[0][2], lay.shape[2]))
+    stride = (
+        (lay.stride[0][1], lay.stride[1]),
+        (lay.stride[0][0], lay.stride[0][2], lay.stride[2]),
+    )
+    if const_expr(transpose):
+        shape, stride = (shape[1], shape[0]), (stride[1], stride[0])
+    return cute.make_tensor(
+        acc.iterator, cute.composition(acc.layout, cute.make_layout(shape, stride=stride))
+    )
+
+
+def _acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
+    """View a 16-bit accumulator ((2, 2, V), M, N) as a register A operand
+    ((2, 2, 2), M, (V / 2, N)) of the next wgmma (k blocks of 16)."""
+    lay = cute.logical_divide(acc.layout, ((None, None, 2), None, None))
+    return cute.make_tensor(
+        acc.iterator,
+        cute.make_layout(
+            ((lay.shape[0][0], lay.shape[0][1], lay.shape[0][2][0]), lay.shape[1],
+             (lay.shape[0][2][1], lay.shape[2])),
+            stride=((lay.stride[0][0], lay.stride[0][1], lay.stride[0][2][0]), lay.stride[1],
+                    (lay.stride[0][2][1], lay.stride[2])),
+        ),
+    )
+
+
+@cute.jit
+def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+          zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int]):
+    """acc (+)= A B over all k blocks as one wgmma group; wait until ``wait`` groups remain."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
+        cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if const_expr(wait >= 0):
+        warpgroup.wait_group(wait)
+
+
+class AttentionBackwardSm90:
+    """Compile-time configuration of the backward kernel; call it under ``cute.compile``.
+
+    dtype: Float16 or BFloat16 (q, k, v, dout). head_dim: 64 or 128. qhead_per_kvhead: query
+    heads per kv head (GQA group). dkv_dtype: dtype of dk/dv; Float32 means "add into", the
+    input dtype means "overwrite". dq is always an fp32 buffer that the kernel adds into.
+    """
+
+    num_threads = (_NUM_MMA_WG + 1) * _WG_THREADS
+
+    def __init__(self, dtype, head_dim: int, qhead_per_kvhead: int, causal: bool,
+                 deterministic: bool, dkv_dtype):
+        if dtype not in (cutlass.Float16, cutlass.BFloat16):
+            raise ValueError(f"dtype must be Float16 or BFloat16, got {dtype}")
+        if head_dim not in (64, 128):
+            raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
+        if dkv_dtype not in (dtype, Float32):
+            raise ValueError(f"dkv_dtype must be {dtype} or Float32, got {dkv_dtype}")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.qhead_per_kvhead = qhead_per_kvhead
+        self.causal = causal
+        self.deterministic = deterministic
+        self.dkv_dtype = dkv_dtype
+        self.tile_n = 64 * _NUM_MMA_WG
+        # Register budget per MMA thread: S^T, dP^T (tile_m / 2 each) + dK, dV (head_dim / 2 each).
+        self.tile_m = 128 if head_dim == 64 else 64
+        self.stages = 2
+        # dQ = dS K is split over the two MMA warp groups along rows when tile_m = 128, else
+        # along head_dim; each warp group reduces its own (dq_rows, dq_cols) part.
+        self.dq_split_rows = self.tile_m == 64 * _NUM_MMA_WG
+        self.dq_rows = 64 if self.dq_split_rows else self.tile_m
+        self.dq_cols = head_dim if self.dq_split_rows else head_dim // _NUM_MMA_WG
+        self.mma_regs = 240
+        self.load_regs = 24
+
+    # ---------------------------------------------------------------- host side (traced once)
+    def _layouts(self):
+        d = self.head_dim
+        self.sQ_layout = _row_major_smem(self.dtype, self.tile_m, d, self.stages)
+        self.sdO_layout = _row_major_smem(self.dtype, self.tile_m, d, self.stages)
+        self.sK_layout = _row_major_smem(self.dtype, self.tile_n, d)
+        self.sV_layout = _row_major_smem(self.dtype, self.tile_n, d)
+        self.sdS_layout = _row_major_smem(self.dtype, self.tile_m, self.tile_n, self.stages)
+        self.sdQ_layout = _row_major_smem(Float32, self.dq_rows, self.dq_cols, _NUM_MMA_WG)
+
+    def _mmas(self):
+        K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        wg_rows = (_NUM_MMA_WG, 1, 1)
+        # S^T = K Q^T and dP^T = V dO^T: each warp group owns 64 key rows.
+        self.mma_sdp = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, K, Float32, wg_rows, (64, self.tile_m))
+        # dV += P^T dO and dK += dS^T Q with P^T / dS^T straight from registers.
+        self.mma_dkv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, MN, Float32, wg_rows, (64, self.head_dim),
+            a_source=warpgroup.OperandSource.RMEM)
+        # dQ = dS K from shared memory.
+        self.mma_dq = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, MN, Float32,
+            wg_rows if self.dq_split_rows else (1, _NUM_MMA_WG, 1), (64, self.dq_cols))
+        # One warp group's share of the dQ product, to address its own shared memory buffer.
+        self.mma_dq_wg = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, MN, Float32, (1, 1, 1), (64, self.dq_cols))
+
+    def _storage(self):
+        d_q, d_k, d_s = (cute.cosize(l) for l in (self.sQ_layout, self.sK_layout, self.sdS_layout))
+        stats = self.tile_m * self.stages
+
+        @cute.struct
+        class Storage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 1]
+            lse: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
+            delta: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
+            q: cute.struct.Align[cute.struct.MemRange[self.dtype, d_q], 1024]
+            do: cute.struct.Align[cute.struct.MemRange[self.dtype, d_q], 1024]
+            k: cute.struct.Align[cute.struct.MemRange[self.dtype, d_k], 1024]
+            v: cute.struct.Align[cute.struct.MemRange[self.dtype, d_k], 1024]
+            ds: cute.struct.Align[cute.struct.MemRange[self.dtype, d_s], 1024]
+            dq: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(self.sdQ_layout)], 1024]
+
+        return Storage
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mLSE: cute.Tensor, mDelta: cute.Tensor, mdQ: cute.Tensor, mdK: cute.Tensor,
+                 mdV: cute.Tensor, mSem: Optional[cute.Tensor], softmax_scale: Float32,
+                 stream):
+        """q, dout (b, sq, h, d); k, v (b, sk, hk, d); lse2, delta (b, h, sq rounded up to
+        tile_m) fp32, lse2 in log2 units with +inf on rows that see no key; dq (b, sq, h, d)
+        fp32 (added into); dk, dv (b, sk, hk, d) of dkv_dtype; sem (b, h, sq tiles) int32 zeros
+        when deterministic, else None."""
+        if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype
+                      or mV.element_type != self.dtype or mdO.element_type != self.dtype):
+            raise TypeError("q, k, v, dout must all have the kernel's dtype")
+        if const_expr(mdQ.element_type != Float32):
+            raise TypeError("dq must be Float32")
+        if const_expr(mdK.element_type != self.dkv_dtype or mdV.element_type != self.dkv_dtype):
+            raise TypeError("dk, dv must have dkv_dtype")
+        if const_expr(self.deterministic != (mSem is not None)):
+            raise TypeError("sem is required exactly in deterministic mode")
+        self._layouts()
+        self._mmas()
+        Storage = self._storage()
+
+        mQ, mK, mV, mdO, mdQ, mdK, mdV = (_seq_major(t) for t in (mQ, mK, mV, mdO, mdQ, mdK, mdV))
+        # (b, h, s) -> (s, h, b)
+        mLSE, mDelta = (cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
+                        for t in (mLSE, mDelta))
+        if const_expr(mSem is not None):
+            mSem = cute.make_tensor(mSem.iterator, cute.select(mSem.layout, mode=[2, 1, 0]))
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        d = self.head_dim
+        tma_q, tQ = cpasync.make_tiled_tma_atom(
+            g2s, mQ, cute.select(self.sQ_layout, mode=[0, 1]), (self.tile_m, d))
+        tma_do, tdO = cpasync.make_tiled_tma_atom(
+            g2s, mdO, cute.select(self.sdO_layout, mode=[0, 1]), (self.tile_m, d))
+        tma_k, tK = cpasync.make_tiled_tma_atom(g2s, mK, self.sK_layout, (self.tile_n, d))
+        tma_v, tV = cpasync.make_tiled_tma_atom(g2s, mV, self.sV_layout, (self.tile_n, d))
+        stat_layout = cute.make_layout(self.tile_m)
+        tma_lse, tLSE = cpasync.make_tiled_tma_atom(g2s, mLSE, stat_layout, (self.tile_m,))
+        tma_delta, tDelta = cpasync.make_tiled_tma_atom(g2s, mDelta, stat_layout, (self.tile_m,))
+        tma_dq, tdQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, cute.select(self.sdQ_layout, mode=[0, 1]),
+            (self.dq_rows, self.dq_cols))
+
+        tile_bytes = self.dtype.width // 8 * d
+        self.bytes_q = self.tile_m * tile_bytes + self.tile_m * 4
+        self.bytes_kv = 2 * self.tile_n * tile_bytes
+
+        num_kv_heads = cute.size(mK.shape[2])
+        grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), num_kv_heads,
+                cute.size(mK.shape[3]))
+        self.kernel(
+            tQ, tK, tV, tdO, tLSE, tDelta, tdQ, mdK, mdV, mSem,
+            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dq,
+            Float32(softmax_scale), Float32(softmax_scale * LOG2_E),
+            self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout, self.sdS_layout,
+            self.sdQ_layout, self.mma_sdp, self.mma_dkv, self.mma_dq, self.mma_dq_wg, Storage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, tQ: cute.Tensor, tK: cute.Tensor, tV: cute.Tensor, tdO: cute.Tensor,
+               tLSE: cute.Tensor, tDelta: cute.Tensor, tdQ: cute.Tensor, mdK: cute.Tensor,
+               mdV: cute.Tensor, mSem: Optional[cute.Tensor],
+               tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
+               tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_delta: cute.CopyAtom,
+               tma_dq: cute.CopyAtom, softmax_scale: Float32, scale_log2: Float32,
+               sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
+               mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
+               mma_dq_wg: cute.TiledMma, Storage: cutlass.Constexpr):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, kv_head, batch = cute.arch.block_idx()
+
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dq):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        st = smem.allocate(Storage)
+        mbar_kv = st.mbar_kv.data_ptr()
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(mbar_kv, 1)
+        producer = cutlass.pipeline.CooperativeGroup(cutlass.pipeline.Agent.Thread)
+        consumer = cutlass.pipeline.CooperativeGroup(
+            cutlass.pipeline.Agent.Thread, _NUM_MMA_WG * _WG_THREADS // 32)
+        pipe_q = cutlass.pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.mbar_q.data_ptr(), num_stages=self.stages,
+            producer_group=producer, consumer_group=consumer, tx_count=self.bytes_q,
+            defer_sync=True)
+        pipe_do = cutlass.pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.mbar_do.data_ptr(), num_stages=self.stages,
+            producer_group=producer, consumer_group=consumer, tx_count=self.bytes_q,
+            defer_sync=False)
+
+        sQ = st.q.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = st.do.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sK = st.k.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = st.v.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sdS = st.ds.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sLSE = st.lse.get_tensor(cute.make_layout((self.tile_m, self.stages)))
+        sDelta = st.delta.get_tensor(cute.make_layout((self.tile_m, self.stages)))
+        sdQ = st.dq.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+
+        seqlen_q = tQ.shape[0]
+        seqlen_k = tK.shape[0]
+        num_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
+        # Causal (sq == sk): query tile m sees key block n iff its last row >= the block's first.
+        m_block_min = 0
+        if const_expr(self.causal):
+            m_block_min = n_block * self.tile_n // self.tile_m
+        steps_per_head = num_m_blocks - m_block_min
+        num_steps = steps_per_head * self.qhead_per_kvhead
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.load_regs)
+            if warp_idx == 0:
+                self._load(tQ, tK, tV, tdO, tLSE, tDelta, sQ, sK, sV, sdO, sLSE, sDelta,
+                           tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, pipe_q, pipe_do,
+                           mbar_kv, n_block, kv_head, batch, m_block_min, steps_per_head,
+                           num_steps)
+            if warp_idx == 1:
+                self._store_dq(tdQ, sdQ, tma_dq, mSem, n_block,
+                               kv_head, batch, m_block_min, steps_per_head, num_steps)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self._mma(sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ,
+                      mdK, mdV, pipe_q, pipe_do, mbar_kv, mma_sdp, mma_dkv, mma_dq, mma_dq_wg,
+                      tidx - _WG_THREADS, softmax_scale, scale_log2, seqlen_k, n_block,
+                      kv_head, batch, m_block_min, steps_per_head, num_steps)
+
+    @cute.jit
+    def _load(self, tQ, tK, tV, tdO, tLSE, tDelta, sQ, sK, sV, sdO, sLSE, sDelta,
+              tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, pipe_q, pipe_do, mbar_kv,
+              n_block, kv_head, batch, m_block_min, steps_per_head, num_steps):
+        one = cute.make_layout(1)
+        d = self.head_dim
+        gK = cute.local_tile(tK[None, None, kv_head, batch], (self.tile_n, d), (n_block, 0))
+        gV = cute.local_tile(tV[None, None, kv_head, batch], (self.tile_n, d), (n_block, 0))
+        sK_t, gK_t = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        sV_t, gV_t = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_kv, self.bytes_kv)
+        cute.copy(tma_k, gK_t, sK_t, tma_bar_ptr=mbar_kv)
+        cute.copy(tma_v, gV_t, sV_t, tma_bar_ptr=mbar_kv)
+
+        state = cutlass.pipeline.make_pipeline_state(
+            cutlass.pipeline.PipelineUserType.Producer, self.stages)
+        for step in cutlass.range(num_steps, unroll=1):
+            g = step // steps_per_head
+            m_block = m_block_min + step - g * steps_per_head
+            head = kv_head * self.qhead_per_kvhead + g
+            gQ = cute.local_tile(tQ[None, None, head, batch], (self.tile_m, d), (None, 0))
+            gdO = cute.local_tile(tdO[None, None, head, batch], (self.tile_m, d), (None, 0))
+            gLSE = cute.local_tile(tLSE[None, head, batch], (self.tile_m,), (None,))
+            gDelta = cute.local_tile(tDelta[None, head, batch], (self.tile_m,), (None,))
+            sQ_t, gQ_t = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2),
+                                               cute.group_modes(gQ, 0, 2))
+            sdO_t, gdO_t = cpasync.tma_partition(tma_do, 0, one, cute.group_modes(sdO, 0, 2),
+                                                 cute.group_modes(gdO, 0, 2))
+            sL_t, gL_t = cpasync.tma_partition(tma_lse, 0, one, cute.group_modes(sLSE, 0, 1),
+                                               cute.group_modes(gLSE, 0, 1))
+            sD_t, gD_t = cpasync.tma_partition(tma_delta, 0, one,
+                                               cute.group_modes(sDelta, 0, 1),
+                                               cute.group_modes(gDelta, 0, 1))
+            pipe_q.producer_acquire(state)
+            bar_q = pipe_q.producer_get_barrier(state)
+            cute.copy(tma_q, gQ_t[None, m_block], sQ_t[None, state.index], tma_bar_ptr=bar_q)
+            cute.copy(tma_lse, gL_t[None, m_block], sL_t[None, state.index], tma_bar_ptr=bar_q)
+            pipe_do.producer_acquire(state)
+            bar_do = pipe_do.producer_get_barrier(state)
+            cute.copy(tma_do, gdO_t[None, m_block], sdO_t[None, state.index], tma_bar_ptr=bar_do)
+            cute.copy(tma_delta, gD_t[None, m_block], sD_t[None, state.index],
+                      tma_bar_ptr=bar_do)
+            state.advance()
+
+    @cute.jit
+    def _store_dq(self, tdQ, sdQ, tma_dq, mSem, n_block, kv_head, batch,
+                  m_block_min, steps_per_head, num_steps):
+        lane = cute.arch.lane_idx()
+        one = cute.make_layout(1)
+        blocks_per_tile = self.tile_m // self.dq_rows
+        for step in cutlass.range(num_steps, unroll=1):
+            g = step // steps_per_head
+            m_block = m_block_min + step - g * steps_per_head
+            head = kv_head * self.qhead_per_kvhead + g
+            gdQ = cute.local_tile(tdQ[None, None, head, batch], (self.dq_rows, self.dq_cols),
+                                  (None, None))
+            for wg in cutlass.range_constexpr(_NUM_MMA_WG):
+                if const_expr(not self.deterministic):
+                    # The previous reduction out of this buffer must have read it.
+                    cute.arch.cp_async_bulk_wait_group(_NUM_MMA_WG - 1 - wg, read=True)
+                cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
+                                         number_of_threads=_WG_THREADS + 32)
+            if const_expr(self.deterministic):
+                # Wait until KV blocks 0 .. n_block-1 have added into this dQ tile.
+                sem_ptr = (mSem[None, head, batch].iterator + m_block)
+                if lane == 0:
+                    seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+                    while seen != n_block:
+                        seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+            for wg in cutlass.range_constexpr(_NUM_MMA_WG):
+                cute.arch.barrier(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=_WG_THREADS + 32)
+                row_block = m_block * blocks_per_tile + (wg if const_expr(self.dq_split_rows)
+                                                         else 0)
+                col_block = 0 if const_expr(self.dq_split_rows) else wg
+                s_t, g_t = cpasync.tma_partition(tma_dq, 0, one, cute.group_modes(sdQ, 0, 2),
+                                                 cute.group_modes(gdQ, 0, 2))
+                cute.copy(tma_dq, s_t[None, wg], g_t[None, row_block, col_block])
+                cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.deterministic):
+                # Both parts have landed in global memory before the next KV block may add.
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                if lane == 0:
+                    cute.arch.red(sem_ptr, Int32(1), op="add", dtype="s32", sem="release",
+                                  scope="gpu")
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def _mma(self, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, mdK, mdV,
+             pipe_q, pipe_do, mbar_kv, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma,
+             mma_dq: cute.TiledMma, mma_dq_wg: cute.TiledMma, tidx, softmax_scale, scale_log2,
+             seqlen_k, n_block, kv_head, batch, m_block_min, steps_per_head, num_steps):
+        d = self.head_dim
+        wg = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
+        wg_sdp = mma_sdp.get_slice(wg * _WG_THREADS)
+        wg_dkv = mma_dkv.get_slice(wg * _WG_THREADS)
+        wg_dq = mma_dq.get_slice(wg * _WG_THREADS)
+        thr_sdp = mma_sdp.get_slice(tidx)
+
+        # Operand fragments (shared memory descriptors; last mode = pipeline stage).
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tdVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transpose(sdO)))
+        tdKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transpose(sQ)))
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tdQrK = wg_dq.make_fragment_B(wg_dq.partition_B(_transpose(sK)))
+
+        acc_shape_s = mma_sdp.partition_shape_C((self.tile_n, self.tile_m))
+        acc_dK = cute.make_rmem_tensor(mma_dkv.partition_shape_C((self.tile_n, d)), Float32)
+        acc_dV = cute.make_rmem_tensor(mma_dkv.partition_shape_C((self.tile_n, d)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+
+        # dS^T registers -> dS in shared memory (transposing 8x8 stores).
+        r2s_ds = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4),
+                                self.dtype), mma_sdp)
+        thr_r2s_ds = r2s_ds.get_slice(tidx)
+        tdSs = thr_r2s_ds.partition_D(_transpose(sdS))
+        # dQ registers -> this warp group's fp32 buffer.
+        r2s_dq = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64),
+            mma_dq_wg)
+        thr_r2s_dq = r2s_dq.get_slice(tidx % _WG_THREADS)
+        tdQs = thr_r2s_dq.partition_D(sdQ[None, None, wg])
+
+        # (key, query) coordinates of each S^T element this thread holds.
+        cS = _acc_mn(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))),
+                     transpose=True)
+        n_base = n_block * self.tile_n
+
+        cute.arch.mbarrier_wait(mbar_kv, 0)
+        state = cutlass.pipeline.make_pipeline_state(
+            cutlass.pipeline.PipelineUserType.Consumer, self.stages)
+        for step in cutlass.range(num_steps, unroll=1):
+            g = step // steps_per_head
+            m_block = m_block_min + step - g * steps_per_head
+            stage = state.index
+            m_base = m_block * self.tile_m
+
+            pipe_q.consumer_wait(state)
+            acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
+            _gemm(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, stage], zero_init=True, wait=-1)
+            pipe_do.consumer_wait(state)
+            acc_dp = cute.make_rmem_tensor(acc_shape_s, Float32)
+            _gemm(mma_sdp, acc_dp, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wait=1)
+
+            # P^T = exp2(S^T * scale * log2(e) - lse2); masked entries give exp2(-inf) = 0.
+            s_mn = _acc_mn(acc_s, transpose=True)  # (query, key)
+            needs_mask = n_base + self.tile_n > seqlen_k
+            if const_expr(self.causal):
+                needs_mask = needs_mask or (n_base + self.tile_n - 1 > m_base)
+            if needs_mask:
+                for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                    for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                        key, query = cS[r, c]
+                        dead = n_base + key >= seqlen_k
+                        if const_expr(self.causal):
+                            dead = dead or (n_base + key > m_base + query)
+                        s_mn[r, c] = -Float32.inf if dead else s_mn[r, c]
+            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                lse2 = sLSE[cS[r, 0][1], stage]
+                for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                    s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2, fastmath=True)
+            p = cute.make_rmem_tensor(acc_shape_s, self.dtype)
+            p.store(acc_s.load().to(self.dtype))
+
+            # dS^T = P^T * (dP^T - delta)
+            warpgroup.wait_group(0)
+            dp_mn = _acc_mn(acc_dp, transpose=True)
+            for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
+                delta = sDelta[cS[r, 0][1], stage]
+                for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
+                    dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - delta)
+            ds = cute.make_rmem_tensor(acc_shape_s, self.dtype)
+            ds.store(acc_dp.load().to(self.dtype))
+            # dS is double buffered by pipeline stage: the buffer written here was last read
+            # by the dQ product two steps ago, which both warp groups finished before the
+            # _BAR_PDS of the previous step.
+            cute.copy(r2s_ds, thr_r2s_ds.retile(ds), tdSs[None, None, None, stage])
+
+            _gemm(mma_dkv, acc_dV, _acc_as_operand_a(p), tdVrdO[None, None, None, stage],
+                  zero_init=False, wait=-1)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=_BAR_PDS, number_of_threads=_NUM_MMA_WG * _WG_THREADS)
+
+            acc_dq = cute.make_rmem_tensor(mma_dq.partition_shape_C((self.tile_m, d)), Float32)
+            _gemm(mma_dq, acc_dq, tdQrdS[None, None, None, stage], tdQrK, zero_init=True,
+                  wait=1)
+            pipe_do.consumer_release(state)  # the dV product has read dO
+            _gemm(mma_dkv, acc_dK, _acc_as_operand_a(ds), tdKrQ[None, None, None, stage],
+                  zero_init=False, wait=1)
+
+            # dQ part -> shared memory -> dQ warp, which adds it into global memory.
+            acc_dq.store(acc_dq.load() * softmax_scale)
+            cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + wg, number_of_threads=_WG_THREADS + 32)
+            cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dq), tdQs)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + wg,
+                                     number_of_threads=_WG_THREADS + 32)
+
+            warpgroup.wait_group(0)
+            pipe_q.consumer_release(state)
+            state.advance()
+
+        acc_dK.store(acc_dK.load() * softmax_scale)
+        self._epilogue_dkv(acc_dK, mdK, mma_dkv, tidx, seqlen_k, n_block, kv_head, batch)
+        self._epilogue_dkv(acc_dV, mdV, mma_dkv, tidx, seqlen_k, n_block, kv_head, batch)
+
+    @cute.jit
+    def _epilogue_dkv(self, acc, mOut, mma_dkv: cute.TiledMma, tidx, seqlen_k, n_block,
+                      kv_head, batch):
+        """Write (or add, for fp32 buffers) this CTA's dK or dV block; rows past seqlen_k
+        are not touched. Each block belongs to exactly one CTA, so plain stores suffice."""
+        d = self.head_dim
+        thr = mma_dkv.get_slice(tidx)
+        gOut = cute.local_tile(mOut[None, None, kv_head, batch], (self.tile_n, d), (n_block, 0))
+        cOut = cute.local_tile(cute.make_identity_tensor((mOut.shape[0], d)), (self.tile_n, d),
+                               (n_block, 0))
+        tOut = thr.partition_C(gOut)
+        tcOut = thr.partition_C(cOut)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            if tcOut[i][0] < seqlen_k:
+                if const_expr(self.dkv_dtype == Float32):
+                    tOut[i] = tOut[i] + acc[i]
+                else:
+                    tOut[i] = acc[i].to(self.dkv_dtype)
+
+
+# ---------------------------------------------------------------- compilation
+_compiled = {}
+
+
+def compile_backward(dtype, head_dim: int, qhead_per_kvhead: int, causal: bool,
+                     deterministic: bool, dkv_fp32: bool):
+    """Compile (once per key) the backward kernel for shape-generic inputs; returns a callable
+    taking torch tensors (q, k, v, dout, lse2, delta, dq, dk, dv, sem, softmax_scale) and
+    running on the current stream."""
+    key = (dtype, head_dim, qhead_per_kvhead, causal, deterministic, dkv_fp32)
+    if key in _compiled:
+        return _compiled[key]
+    kernel = AttentionBackwardSm90(dtype, head_dim, qhead_per_kvhead, causal, deterministic,
+                                   Float32 if dkv_fp32 else dtype)
+    b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
+    sq_pad, n_m = cute.sym_int(), cute.sym_int()
+
+    def fake(dt, shape):
+        div = 128 // dt.width
+        stride = tuple(cute.sym_int64(divisibility=div) for _ in shape[:-1]) + (1,)
+        return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=16)
+
+    args = (
+        fake(dtype, (b, sq, h, head_dim)), fake(dtype, (b, sk, hk, head_dim)),
+        fake(dtype, (b, sk, hk, head_dim)), fake(dtype, (b, sq, h, head_dim)),
+        fake(Float32, (b, h, sq_pad)), fake(Float32, (b, h, sq_pad)),
+        fake(Float32, (b, sq, h, head_dim)),
+        fake(kernel.dkv_dtype, (b, sk, hk, head_dim)), fake(kernel.dkv_dtype, (b, sk, hk, head_dim)),
+        cute.runtime.make_fake_compact_tensor(Int32, (b, h, n_m), assumed_align=4)
+        if deterministic else None,
+        Float32(1.0),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
+    compiled = cute.compile(kernel, *args, options="--enable-tvm-ffi")
+    _compiled[key] = compiled
+    return compiled
+
+
+# ---------------------------------------------------------------- torch entry point
+def _tile_m(head_dim: int) -> int:
+    return 128 if head_dim == 64 else 64
+
+
+def _check(name, t, shape, dtypes):
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_cuda:
+        raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {dtypes}, got {t.dtype}")
+
+
+def _tma_ok(t) -> bool:
+    """TMA needs a contiguous last dim and 16-byte aligned base and strides."""
+    align = 16 // t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(s % align == 0 for s in t.stride()[:-1]))
+
+
+def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, dv=None,
+             deterministic=False):
+    """Gradients of attention with the softmax normalised by the given lse (natural log,
+    (b, h, sq) fp32). Given dq/dk/dv receive the gradients added to what they hold; fp32 ones
+    are accumulated in place by the kernel."""
+    import torch
+
+    if q.dim() != 4:
+        raise ValueError(f"q must be (batch, seq, heads, head_dim), got shape {tuple(q.shape)}")
+    b, sq, h, d = q.shape
+    if k.dim() != 4:
+        raise ValueError(f"k must be (batch, seq, kv_heads, head_dim), got shape {tuple(k.shape)}")
+    sk, hk = k.shape[1], k.shape[2]
+    dtypes = (torch.float16, torch.bfloat16)
+    _check("q", q, (b, sq, h, d), dtypes)
+    _check("k", k, (b, sk, hk, d), (q.dtype,))
+    _check("v", v, (b, sk, hk, d), (q.dtype,))
+    _check("out", out, (b, sq, h, d), (q.dtype,))
+    _check("dout", dout, (b, sq, h, d), (q.dtype,))
+    _check("lse", lse, (b, h, sq), (torch.float32,))
+    if d not in (64, 128):
+        raise ValueError(f"head_dim must be 64 or 128 for the sm90 backward kernel, got {d}")
+    if hk == 0 or h % hk != 0:
+        raise ValueError(f"heads ({h}) must be a multiple of kv_heads ({hk})")
+    if causal and sq != sk:
+        raise ValueError(f"causal attention needs seq_q == seq_k, got {sq} and {sk}")
+    if min(b, sq, sk) == 0:
+        raise ValueError(f"empty input: batch {b}, seq_q {sq}, seq_k {sk}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout)):
+        if not _tma_ok(t):
+            raise ValueError(f"{name} needs a contiguous head dim and 16-byte aligned strides, "
+                             f"got strides {t.stride()}")
+    for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if buf is not None:
+            _check(name, buf, like.shape, (torch.float16, torch.bfloat16, torch.float32))
+
+    tile_m = _tile_m(d)
+    n_m = (sq + tile_m - 1) // tile_m
+    dev = q.device
+    # Preprocess: lse in log2 units (+inf where no key is visible, so P = 0 there, never NaN)
+    # and delta = rowsum(dO * O), both padded to whole query tiles.
+    lse2 = torch.full((b, h, n_m * tile_m), math.inf, dtype=torch.float32, device=dev)
+    lse2[..., :sq] = torch.where(lse == -math.inf, math.inf, lse * LOG2_E)
+    delta = torch.zeros((b, h, n_m * tile_m), dtype=torch.float32, device=dev)
+    delta[..., :sq] = torch.einsum("bshd,bshd->bhs", dout.float(), out.float())
+
+    dq_acc = dq if dq is not None and dq.dtype == torch.float32 and _tma_ok(dq) else None
+    if dq_acc is None:
+        dq_acc = torch.zeros((b, sq, h, d), dtype=torch.float32, device=dev)
+    dkv_fp32 = all(t is not None and t.dtype == torch.float32 and _tma_ok(t) for t in (dk, dv))
+    if dkv_fp32:
+        dk_out, dv_out = dk, dv
+    else:
+        dk_out = torch.empty((b, sk, hk, d), dtype=q.dtype, device=dev)
+        dv_out = torch.empty((b, sk, hk, d), dtype=q.dtype, device=dev)
+    sem = (torch.zeros((b, h, n_m), dtype=torch.int32, device=dev) if deterministic else None)
+
+    dtype = cutlass.BFloat16 if q.dtype == torch.bfloat16 else cutlass.Float16
+    fn = compile_backward(dtype, d, h // hk, bool(causal), bool(deterministic), dkv_fp32)
+    fn(q, k, v, dout, lse2, delta, dq_acc, dk_out, dv_out, sem, float(softmax_scale))
+
+    if dq is None:
+        dq = dq_acc.to(q.dtype)
+    elif dq_acc is not dq:
+        dq.add_(dq_acc)
+    if not dkv_fp32:
+        if dk is None:
+            dk = dk_out
+        else:
+            dk.add_(dk_out)
+        if dv is None:
+            dv = dv_out
+        else:
+            dv.add_(dv_out)
+    return dq, dk, dv

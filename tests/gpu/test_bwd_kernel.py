@@ -1,0 +1,175 @@
+"""The sm90 CuTe backward kernel against fp64 autograd, on fresh random inputs.
+
+Error bound for each gradient: 2x the error of PyTorch doing the same computation in the input
+precision (fp16/bf16 matmuls, fp32 softmax) against fp64, plus 1e-4 absolute.
+"""
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from reference import attention_fp64  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+    from ringfa4.kernels import bwd_sm90
+else:
+    bwd_sm90 = None
+    pytestmark = [pytest.mark.gpu, pytest.mark.skip(reason="needs a Hopper (sm_90) GPU")]
+
+
+def _inputs(b, sq, sk, h, hk, d, dtype, seed, offset=0):
+    """q, k, v, dout of the given shapes; with offset > 0 they are views into a longer sequence
+    (non-contiguous in the sequence dim, as ring steps pass them)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for s, n in ((sq, h), (sk, hk), (sk, hk), (sq, h)):
+        t = torch.randn(b, s + 2 * offset, n, d, device="cuda", generator=gen).to(dtype)
+        out.append(t[:, offset:offset + s] if offset else t)
+    return out
+
+
+def _lowp_attention(q, k, v, causal, scale):
+    """Attention as PyTorch computes it in the input precision: 16-bit matmuls, fp32 softmax."""
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k).float() * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1),
+                          -math.inf)
+    p = torch.softmax(s, dim=-1).to(q.dtype)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def _references(q, k, v, dout, causal, scale):
+    """(out, lse, fp64 grads, low-precision PyTorch grads)."""
+    leaves = [t.detach().to(torch.float64).requires_grad_() for t in (q, k, v)]
+    out64, lse64 = attention_fp64(*leaves, causal=causal, softmax_scale=scale)
+    g64 = torch.autograd.grad(out64, leaves, dout.to(torch.float64))
+    low = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    glow = torch.autograd.grad(_lowp_attention(*low, causal, scale), low, dout)
+    return out64.to(q.dtype), lse64.float(), g64, glow
+
+
+def _assert_close(name, got, ref64, lowp):
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    err = (got.double() - ref64).abs().max().item()
+    bound = 2 * (lowp.double() - ref64).abs().max().item() + 1e-4
+    assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e}"
+
+
+def _poison_allocator(*like):
+    """Fill freed blocks of the caching allocator with NaN so that outputs the kernel fails to
+    write show up as NaN."""
+    blocks = [torch.full_like(t, math.nan) for t in like for _ in range(2)]
+    del blocks
+
+
+CASES = [
+    # b, sq, sk, h, hk, d, causal, dtype
+    (2, 1000, 1000, 4, 4, 128, False, torch.bfloat16),
+    (2, 1000, 1000, 4, 4, 128, True, torch.bfloat16),
+    (1, 777, 777, 4, 4, 64, True, torch.bfloat16),
+    (2, 300, 555, 4, 4, 64, False, torch.bfloat16),
+    (1, 513, 513, 8, 2, 128, True, torch.float16),
+    (1, 640, 200, 6, 1, 64, False, torch.float16),
+]
+
+
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,dtype", CASES)
+def test_gradients_match_fp64_reference(b, sq, sk, h, hk, d, causal, dtype):
+    scale = 0.7 / math.sqrt(d)
+    q, k, v, dout = _inputs(b, sq, sk, h, hk, d, dtype, seed=sq * 31 + d, offset=3 * (b + 1))
+    out, lse, g64, glow = _references(q, k, v, dout, causal, scale)
+    _poison_allocator(q, k, v, q.float())
+    grads = bwd_sm90.backward(dout, q, k, v, out, lse, causal, scale)
+    for name, got, r64, rlow, like in zip("dq dk dv".split(), grads, g64, glow, (q, k, v)):
+        assert got.dtype == like.dtype and got.shape == like.shape, name
+        _assert_close(name, got, r64, rlow)
+
+
+def test_rows_with_no_visible_key_contribute_zero():
+    """lse = -inf (and out = 0) rows, as the ring produces for a query chunk that sees none of
+    a KV block, give zero dq and leave dk, dv as if their dout were zero."""
+    b, s, h, d = 1, 384, 2, 128
+    q, k, v, dout = _inputs(b, s, s, h, h, d, torch.bfloat16, seed=7)
+    dead = torch.zeros(s, dtype=torch.bool, device="cuda")
+    dead[100:250] = True
+    out, lse, _, _ = _references(q, k, v, dout, False, d ** -0.5)
+    out[:, dead] = 0
+    lse[:, :, dead] = -math.inf
+    live_dout = dout.masked_fill(dead[None, :, None, None], 0)
+    _, _, g64, glow = _references(q, k, v, live_dout, False, d ** -0.5)
+    dq, dk, dv = bwd_sm90.backward(dout, q, k, v, out, lse, False, d ** -0.5)
+    assert (dq[:, dead] == 0).all()
+    _assert_close("dq", dq, g64[0], glow[0])
+    _assert_close("dk", dk, g64[1], glow[1])
+    _assert_close("dv", dv, g64[2], glow[2])
+
+
+@pytest.mark.parametrize("causal,hk", [(True, 4), (False, 2)])
+def test_deterministic_mode_is_bit_identical_run_to_run(causal, hk):
+    b, s, h, d = 2, 1536, 4, 128
+    q, k, v, dout = _inputs(b, s, s, h, hk, d, torch.bfloat16, seed=11)
+    out, lse, g64, glow = _references(q, k, v, dout, causal, d ** -0.5)
+    first = bwd_sm90.backward(dout, q, k, v, out, lse, causal, d ** -0.5, deterministic=True)
+    second = bwd_sm90.backward(dout, q, k, v, out, lse, causal, d ** -0.5, deterministic=True)
+    for name, a, c, r64, rlow in zip("dq dk dv".split(), first, second, g64, glow):
+        assert torch.equal(a, c), f"{name} differs between two deterministic runs"
+        _assert_close(name, a, r64, rlow)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_fp32_buffers_receive_gradients_added(deterministic):
+    b, s, h, hk, d = 1, 700, 4, 2, 64
+    q, k, v, dout = _inputs(b, s, s, h, hk, d, torch.bfloat16, seed=5)
+    out, lse, g64, glow = _references(q, k, v, dout, True, d ** -0.5)
+    init = [torch.randn(t.shape, device="cuda") for t in (q, k, v)]
+    bufs = [t.clone() for t in init]
+    res = bwd_sm90.backward(dout, q, k, v, out, lse, True, d ** -0.5, *bufs,
+                            deterministic=deterministic)
+    for name, r, buf, i, r64, rlow in zip("dq dk dv".split(), res, bufs, init, g64, glow):
+        assert r is buf, f"{name}: the given buffer must be returned"
+        _assert_close(name, buf - i, r64, rlow)
+
+
+def test_backward_with_merged_lse_over_two_kv_halves_equals_full_backward():
+    """A ring step's backward uses the global lse: summing the per-half gradients (dq) and
+    concatenating them (dk, dv) must give the gradient of attention over all keys."""
+    b, sq, sk, h, d = 2, 512, 1024, 4, 128
+    scale = d ** -0.5
+    q, k, v, dout = _inputs(b, sq, sk, h, h, d, torch.bfloat16, seed=3)
+    out, lse, g64, glow = _references(q, k, v, dout, False, scale)
+    half = sk // 2
+    # The global lse merged from the two halves' own lse, as the ring merges it.
+    _, lse_a, _, _ = _references(q, k[:, :half], v[:, :half], dout, False, scale)
+    _, lse_b, _, _ = _references(q, k[:, half:], v[:, half:], dout, False, scale)
+    merged = torch.logaddexp(lse_a, lse_b)
+    dq = torch.zeros(q.shape, device="cuda")
+    dk = torch.zeros(k.shape, device="cuda")
+    dv = torch.zeros(v.shape, device="cuda")
+    for sl in (slice(0, half), slice(half, sk)):
+        bwd_sm90.backward(dout, q, k[:, sl], v[:, sl], out, merged, False, scale,
+                          dq, dk[:, sl], dv[:, sl])
+    _assert_close("dq", dq, g64[0], glow[0])
+    _assert_close("dk", dk, g64[1], glow[1])
+    _assert_close("dv", dv, g64[2], glow[2])
+
+
+def test_bad_inputs_are_refused_with_the_argument_named():
+    q, k, v, dout = _inputs(1, 128, 128, 2, 2, 128, torch.bfloat16, seed=1)
+    out = torch.zeros_like(q)
+    lse = torch.zeros(1, 2, 128, device="cuda")
+    with pytest.raises(ValueError, match="head_dim"):
+        bwd_sm90.backward(dout[..., :96], q[..., :96], k[..., :96], v[..., :96],
+                          out[..., :96], lse, False, 0.1)
+    with pytest.raises(ValueError, match="lse"):
+        bwd_sm90.backward(dout, q, k, v, out, lse.double(), False, 0.1)
+    with pytest.raises(ValueError, match="causal"):
+        bwd_sm90.backward(dout, q, k[:, :64], v[:, :64], out, lse, True, 0.1)
+    with pytest.raises(ValueError, match="k must"):
+        bwd_sm90.backward(dout, q, k.float(), v, out, lse, False, 0.1)
