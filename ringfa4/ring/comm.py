@@ -1,0 +1,39 @@
+"""Rotation of tensors around the ring: send to the next rank, receive from the previous one.
+
+On CUDA the point-to-point ops are issued from a dedicated stream that first waits for the compute
+stream (so a buffer is never overwritten while a kernel still reads it), and `wait` makes the compute
+stream, not the host, wait for the transfer. On CPU (gloo) the same calls are plain async sends.
+"""
+import functools
+
+import torch
+import torch.distributed as dist
+
+
+@functools.cache
+def _comm_stream(device):
+    return torch.cuda.Stream(device=device)
+
+
+class Ring:
+    def __init__(self, group, device):
+        self.group = group
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        self.next = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
+        self.prev = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
+        self.stream = _comm_stream(device) if device.type == "cuda" else None
+
+    def start(self, send, recv, tag=0):
+        """Post the sends of ``send`` to the next rank and the receives into ``recv`` from the previous one."""
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in recv]
+        if self.stream is None:
+            return dist.batch_isend_irecv(ops)
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            return dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(works):
+        for work in works:
+            work.wait()

@@ -1,0 +1,71 @@
+"""How a sequence is cut over the ranks of a context-parallel group.
+
+zigzag: 2*W equal chunks, rank r holds chunks r and 2W-1-r, so every rank has the same amount of
+causal work. contiguous: W equal chunks, rank r holds chunk r.
+"""
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def check_layout(layout):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def num_chunks(world, layout):
+    """How many equal chunks the full sequence is cut into."""
+    check_layout(layout)
+    return 2 * world if layout == "zigzag" else world
+
+
+def chunk_ids(rank, world, layout):
+    """The chunks rank holds, in the order they sit in its local sequence."""
+    check_layout(layout)
+    return (rank, 2 * world - 1 - rank) if layout == "zigzag" else (rank,)
+
+
+def check_divisible(seq_len, world, layout, name="sequence length"):
+    multiple = num_chunks(world, layout)
+    if seq_len % multiple:
+        raise ValueError(
+            f"{name} {seq_len} must be a multiple of {multiple} for layout {layout!r} over {world} "
+            f"ranks; ringfa4 never pads or drops tokens"
+        )
+
+
+def group_rank_world(group):
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise ValueError("group was given but torch.distributed is not initialized")
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def shard(x, dim=1, group=None, layout="zigzag"):
+    """This rank's part of ``x``, a tensor holding the full sequence along ``dim`` (same on every rank)."""
+    rank, world = group_rank_world(group)
+    check_divisible(x.shape[dim], world, layout, name=f"x.shape[{dim}]")
+    chunks = x.chunk(num_chunks(world, layout), dim=dim)
+    return torch.cat([chunks[i] for i in chunk_ids(rank, world, layout)], dim=dim)
+
+
+def unshard(x_local, dim=1, group=None, layout="zigzag"):
+    """The full sequence from every rank's part (all-gather; differentiable)."""
+    rank, world = group_rank_world(group)
+    check_layout(layout)
+    if world == 1:
+        return x_local
+    parts = dist_fn.all_gather(x_local.contiguous(), group=group or dist.group.WORLD)
+    per_rank = len(chunk_ids(0, world, layout))
+    if x_local.shape[dim] % per_rank:
+        raise ValueError(
+            f"x_local.shape[{dim}] = {x_local.shape[dim]} must be a multiple of {per_rank} for layout {layout!r}"
+        )
+    chunks = [None] * num_chunks(world, layout)
+    for r, part in enumerate(parts):
+        for i, piece in zip(chunk_ids(r, world, layout), part.chunk(per_rank, dim=dim)):
+            chunks[i] = piece
+    return torch.cat(chunks, dim=dim)

@@ -1,0 +1,30 @@
+"""Which queries attend to which keys at each ring step.
+
+At step i rank r holds the KV block of rank (r - i) mod W. A step is the local query rows and the
+held key rows it computes, and whether that part is causal (diagonal) or full.
+"""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Step:
+    q: slice
+    kv: slice
+    causal: bool
+
+
+def plan(rank, source, layout, causal, local_len):
+    """The work of ``rank`` on the KV block of ``source``; None when no query sees any of its keys."""
+    everything = slice(0, local_len)
+    if not causal:
+        return Step(everything, everything, False)
+    if source == rank:
+        return Step(everything, everything, True)
+    if layout == "contiguous":
+        return Step(everything, everything, False) if source < rank else None
+    # zigzag: rank r holds chunks (r, 2W-1-r). An earlier source's first chunk precedes both local
+    # chunks and its second follows them; a later source's two chunks both precede our second chunk only.
+    half = local_len // 2
+    if source < rank:
+        return Step(everything, slice(0, half), False)
+    return Step(slice(half, local_len), everything, False)
