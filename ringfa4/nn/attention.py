@@ -1,0 +1,35 @@
+"""Attention over a context-parallel group, as a module a model can hold."""
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ringfa4
+
+
+class ContextParallelAttention(nn.Module):
+    """softmax(q k^T) v for local sequence shards q (b, s, h, d), k, v (b, s, hk, d).
+
+    With ``group`` set (``parallelize`` does it) the keys and values of the whole sequence are
+    reached through ``ringfa4.ring_attention`` over that group, so every rank must hold its shard
+    in ``layout`` order. Without a group, or with a one-rank group, it is plain single-device
+    attention: unlike the public API, None here never means the default process group, because
+    under data parallelism that group holds different samples, not parts of one sequence.
+    """
+
+    def __init__(self, causal=True, group=None, layout="zigzag", backend="auto"):
+        super().__init__()
+        self.causal = causal
+        self.group = group
+        self.layout = layout
+        self.backend = backend
+
+    def forward(self, q, k, v):
+        if self.group is None or dist.get_world_size(self.group) == 1:
+            out, _ = ringfa4.attention(q, k, v, causal=self.causal, backend=self.backend)
+            return out
+        return ringfa4.ring_attention(q, k, v, causal=self.causal, group=self.group,
+                                      layout=self.layout, backend=self.backend)
+
+    def extra_repr(self):
+        cp = 1 if self.group is None else dist.get_world_size(self.group)
+        return f"causal={self.causal}, cp={cp}, layout={self.layout}, backend={self.backend}"

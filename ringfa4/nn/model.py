@@ -1,0 +1,190 @@
+"""A compact Llama-style decoder whose attention spans a context-parallel group.
+
+Every rank holds a shard of each sequence (in the ring layout), so RoPE angles come from the
+GLOBAL positions of the local tokens, passed in next to the tokens; nothing in the model
+assumes its tokens are contiguous.
+"""
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import checkpoint
+
+from ringfa4.nn.attention import ContextParallelAttention
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self):
+        return self.dim // self.n_heads
+
+    def check(self):
+        """Raise ValueError naming the first inconsistent field."""
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim={self.dim} must be a multiple of model.n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} must be a multiple of "
+                             f"model.n_kv_heads={self.n_kv_heads} (grouped-query attention)")
+        if self.head_dim % 2:
+            raise ValueError(f"head dim model.dim/model.n_heads={self.head_dim} must be even for RoPE")
+
+    def matmul_params(self):
+        """Parameters that take part in a matrix product for every token (the embedding lookup does not)."""
+        kv_dim = self.n_kv_heads * self.head_dim
+        per_layer = 2 * self.dim * self.dim + 2 * self.dim * kv_dim + 3 * self.dim * self.ffn_dim
+        return self.n_layers * per_layer + self.dim * self.vocab_size
+
+    def flops_per_token(self, seq_len):
+        """Model FLOPs of one token's forward and backward in a causal sequence of ``seq_len``.
+
+        6 per matmul parameter, plus attention: q k^T and p v are 2 * 2 * seq_len * dim FLOPs per
+        layer forward, half of it under the causal mask, and backward is twice forward. Recomputation
+        under activation checkpointing is not counted (MFU, not hardware utilisation).
+        """
+        return 6 * self.matmul_params() + 6 * self.n_layers * self.dim * seq_len
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_angles(positions, head_dim, theta):
+    """cos and sin (..., s, 1, head_dim/2), fp32, for integer token positions (..., s)."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim)
+    angles = positions.to(torch.float64)[..., None] * inv_freq
+    return angles.cos().float().unsqueeze(-2), angles.sin().float().unsqueeze(-2)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate (first half, second half) pairs of each head of x (b, s, h, d) by the angles."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.core = ContextParallelAttention(causal=True)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        q = apply_rope(self.wq(x).view(b, s, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim), cos, sin)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
+        return self.wo(self.core(q, k, v).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        # Set by parallelize: keep only the block input and recompute the rest in backward.
+        self.recompute = False
+
+    def forward(self, x, cos, sin):
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)
+
+    def _forward(self, x, cos, sin):
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """tokens (b, s) and their global positions (b, s) or (s,) -> logits (b, s, vocab)."""
+
+    def __init__(self, args):
+        super().__init__()
+        args.check()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(self, tokens, positions):
+        cos, sin = rope_angles(positions, self.args.head_dim, self.args.rope_theta)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        h = self.norm(h)
+        if self.output is None:
+            return F.linear(h, self.tok_embeddings.weight)
+        return self.output(h)
+
+    def attention_cores(self):
+        return [layer.attention.core for layer in self.layers]
+
+    @torch.no_grad()
+    def init_weights(self, seed):
+        """Fill every parameter from a generator seeded by (seed, parameter name).
+
+        Each full parameter is drawn whole and then sharded like the parameter, so a model holds
+        the same weights however it is parallelized (CP=2 vs CP=1 tests and resumes at another
+        world size rely on it), and it may have been built on the meta device and materialized.
+        """
+        args = self.args
+        for name, p in self.named_parameters():
+            leaf = name.rsplit(".", 2)[-2]
+            if leaf in ("attention_norm", "ffn_norm", "norm"):
+                full = torch.ones(p.shape, device=p.device, dtype=p.dtype)
+            else:
+                if leaf == "tok_embeddings":
+                    std = args.dim ** -0.5 if args.tie_embeddings else 1.0
+                elif leaf == "output":
+                    std = args.dim ** -0.5
+                elif leaf in ("wo", "w2"):
+                    std = 0.02 / math.sqrt(2 * args.n_layers)
+                else:
+                    std = 0.02
+                gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                full = torch.empty(p.shape, device=p.device, dtype=torch.float32)
+                full = full.normal_(0.0, std, generator=gen).to(p.dtype)
+            if isinstance(p, DTensor):
+                full = distribute_tensor(full, p.device_mesh, p.placements)
+            p.copy_(full)

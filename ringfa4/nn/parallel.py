@@ -1,0 +1,63 @@
+"""FSDP2 x context parallelism over a 2-D device mesh (dp_shard, cp), as torchtitan lays it out.
+
+Parameters are sharded over all dp_shard * cp ranks (the mesh flattened): context-parallel ranks
+hold different tokens of the same samples, so for parameters and gradients they are just more
+data-parallel ranks. Attention is the only place the cp dimension shows: its ring runs over the
+"cp" sub-mesh.
+"""
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+import ringfa4
+
+DP_SHARD, CP, DP_SHARD_CP = "dp_shard", "cp", "dp_shard_cp"
+
+
+def build_mesh(device_type, dp_shard, cp):
+    """The (dp_shard, cp) mesh over all ranks; neighbours in cp are consecutive ranks, so on a
+    node (or an NVL72 domain) the ring stays on its fastest links when cp divides its GPU count."""
+    world = dist.get_world_size()
+    if dp_shard * cp != world:
+        raise ValueError(f"parallel.dp_shard * parallel.cp = {dp_shard} * {cp} = {dp_shard * cp} "
+                         f"must equal the world size {world}")
+    return init_device_mesh(device_type, (dp_shard, cp), mesh_dim_names=(DP_SHARD, CP))
+
+
+def parallelize(model, mesh, *, layout="zigzag", backend="auto", param_dtype=None,
+                reduce_dtype=torch.float32, activation_checkpointing=False):
+    """Make ``model`` (a ringfa4.nn.Transformer) train on ``mesh``; returns the model.
+
+    Order matters and follows torchtitan: the ring group goes into every attention core,
+    activation checkpointing wraps each block, then fully_shard shards each block (its own
+    all-gather / reduce-scatter unit) and finally the root (embeddings, final norm, output).
+    """
+    cp_group = mesh[CP].get_group()
+    for core in model.attention_cores():
+        core.group, core.layout, core.backend = cp_group, layout, backend
+    for block in model.layers:
+        block.recompute = activation_checkpointing
+    # DeviceMesh._flatten is how torchtitan names the combined dimension; it reuses the mesh's
+    # ranks in row-major order instead of building an unrelated world-sized mesh.
+    shard_mesh = mesh[DP_SHARD, CP]._flatten(DP_SHARD_CP)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in model.layers:
+        fully_shard(block, mesh=shard_mesh, mp_policy=policy)
+    fully_shard(model, mesh=shard_mesh, mp_policy=policy)
+    # Each rank's loss is already its share of the global-batch mean (token sum / global token
+    # count), so gradients must be summed over ranks, not averaged.
+    # Gloo has no PREMUL_SUM (what FSDP uses for a custom factor), so there FSDP sums and scales after.
+    gloo = dist.get_backend(shard_mesh.get_group()) == "gloo"
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(gloo)
+    return model
+
+
+def shard_sequence(tensors, group, layout):
+    """This rank's part of each (b, s, ...) tensor along s, in the ring ``layout`` over ``group``."""
+    if group is None or dist.get_world_size(group) == 1:
+        return list(tensors)
+    return [ringfa4.shard(t, dim=1, group=group, layout=layout) for t in tensors]

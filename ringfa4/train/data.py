@@ -1,0 +1,123 @@
+"""Token sources and the sampler that turns a global sample index into a training sequence.
+
+A sample is seq_len + 1 consecutive tokens (inputs and their next-token labels). Samples are
+addressed by a global index, so the data position saved in a checkpoint is one integer and a
+resumed run reads exactly the samples the uninterrupted run would have read.
+"""
+import glob
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+CORPUS_DIR = Path(__file__).parent / "corpus"
+BYTE_VOCAB = 256
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+class TokenStream:
+    """A flat array of token ids (anything indexable by slices into numpy integers)."""
+
+    def __init__(self, tokens, vocab_size, source):
+        self.tokens = tokens
+        self.vocab_size = vocab_size
+        self.source = source
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def window(self, start, length):
+        return torch.from_numpy(np.asarray(self.tokens[start:start + length], dtype=np.int64))
+
+
+def text_stream(paths):
+    """Bytes of the given text files (globs allowed), one file after another: byte-level tokens 0..255.
+
+    With no paths, the small corpus shipped in the package (ringfa4/train/corpus/*.txt).
+    """
+    if not paths:
+        files = sorted(str(p) for p in CORPUS_DIR.glob("*.txt"))
+        if not files:
+            raise FileNotFoundError(f"data.paths is empty and the shipped corpus {CORPUS_DIR} holds no .txt file")
+    else:
+        files = []
+        for pattern in paths:
+            matched = sorted(glob.glob(os.path.expanduser(pattern)))
+            if not matched:
+                raise FileNotFoundError(f"data.paths entry {pattern!r} matches no file")
+            files += matched
+    data = b"".join(Path(f).read_bytes() for f in files)
+    return TokenStream(np.frombuffer(data, dtype=np.uint8), BYTE_VOCAB, f"{len(files)} text file(s)")
+
+
+def token_file_stream(path, dtype):
+    """A raw memory-mapped file of token ids, as nanoGPT's prepare scripts and Megatron's .bin write them."""
+    if dtype not in TOKEN_DTYPES:
+        raise ValueError(f"data.dtype must be one of {sorted(TOKEN_DTYPES)}, got {dtype!r}")
+    path = os.path.expanduser(str(path))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data.path {path!r} is not a file")
+    itemsize = np.dtype(TOKEN_DTYPES[dtype]).itemsize
+    size = os.path.getsize(path)
+    if size == 0 or size % itemsize:
+        raise ValueError(f"data.path {path!r} has {size} bytes, not a positive multiple of "
+                         f"{itemsize} (data.dtype={dtype})")
+    return TokenStream(np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r"), None, path)
+
+
+class StreamSampler:
+    """Sample i: a window of seq_len + 1 tokens starting at a multiple of seq_len, windows visited
+    in a fresh seeded permutation each epoch."""
+
+    def __init__(self, stream, seq_len, seed):
+        self.stream, self.seq_len, self.seed = stream, seq_len, seed
+        self.windows = (len(stream) - 1) // seq_len
+        if self.windows < 1:
+            raise ValueError(f"the data ({stream.source}) holds {len(stream)} tokens, fewer than "
+                             f"train.seq_len + 1 = {seq_len + 1}")
+        self._epoch, self._order = None, None
+
+    def __getitem__(self, index):
+        epoch, i = divmod(index, self.windows)
+        if epoch != self._epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._epoch, self._order = epoch, torch.randperm(self.windows, generator=gen)
+        return self.stream.window(int(self._order[i]) * self.seq_len, self.seq_len + 1)
+
+
+class SyntheticSampler:
+    """Sample i: uniformly random tokens from a generator seeded by (seed, i); for throughput runs."""
+
+    def __init__(self, vocab_size, seq_len, seed):
+        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+
+    def __getitem__(self, index):
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        return torch.randint(self.vocab_size, (self.seq_len + 1,), generator=gen)
+
+
+def build_sampler(data_cfg, seq_len, vocab_size, seed):
+    """The sampler for the ``data`` config group; raises naming the setting on missing files or a
+    vocabulary the model cannot embed."""
+    kind = data_cfg["kind"]
+    if kind == "synthetic":
+        return SyntheticSampler(vocab_size, seq_len, seed)
+    if kind == "text":
+        stream = text_stream(list(data_cfg.get("paths") or []))
+    elif kind == "tokens":
+        stream = token_file_stream(data_cfg.get("path"), data_cfg.get("dtype", "uint16"))
+    else:
+        raise ValueError(f"data.kind must be one of synthetic, text, tokens; got {kind!r}")
+    if stream.vocab_size is not None and stream.vocab_size > vocab_size:
+        raise ValueError(f"data.kind={kind} has {stream.vocab_size} token ids but model.vocab_size={vocab_size}")
+    return StreamSampler(stream, seq_len, seed)
+
+
+def load_samples(sampler, start, count, vocab_size):
+    """Samples start .. start+count-1 stacked as (count, seq_len + 1), checked against the model's vocabulary."""
+    x = torch.stack([sampler[start + j] for j in range(count)])
+    if int(x.max()) >= vocab_size:
+        raise ValueError(f"token id {int(x.max())} in samples {start}..{start + count - 1} is not below "
+                         f"model.vocab_size={vocab_size}")
+    return x
