@@ -28,7 +28,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
 
 from ringfa4.kernels.softmax import (
     LOG2_E,
@@ -350,9 +350,7 @@ class FwdSm90:
         )
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
         acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((self.tile_m, self.d)), Float32)
-        tOrP = cute.make_rmem_tensor(
-            wg_pv.partition_shape_A((self.tile_m, self.tile_n)), self.dtype
-        )
+        tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
         s_shape = wg_qk.partition_shape_C((self.tile_m, self.tile_n))
 
         # Score coordinates: this thread's (runtime) and thread 0's (compile-time) columns.
@@ -542,6 +540,8 @@ class FwdSm90:
                 tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
                 cute.group_modes(gO, 0, 2),
             )
-            cute.copy(tma_atom_O, tOsO, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            # Bulk stores are per thread (unlike the loads, which elect one lane): issue once.
+            with cute.arch.elect_one():
+                cute.copy(tma_atom_O, tOsO, tOgO)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
