@@ -552,7 +552,7 @@ class AttentionBackwardSm90:
                                (n_block, 0))
         tOut = thr.partition_C(gOut)
         tcOut = thr.partition_C(cOut)
-        for i in cutlass.range_constexpr(cute.size(acc)):
+        for i in cutlass.range(cute.size(acc), unroll_full=True):
             if tcOut[i][0] < seqlen_k:
                 if const_expr(self.dkv_dtype == Float32):
                     tOut[i] = tOut[i] + acc[i]
@@ -588,8 +588,8 @@ def compile_backward(dtype, head_dim: int, qhead_per_kvhead: int, causal: bool,
         fake(Float32, (b, h, sq_pad)), fake(Float32, (b, h, sq_pad)),
         fake(Float32, (b, sq, h, head_dim)),
         fake(kernel.dkv_dtype, (b, sk, hk, head_dim)), fake(kernel.dkv_dtype, (b, sk, hk, head_dim)),
-        cute.runtime.make_fake_compact_tensor(Int32, (b, h, n_m), assumed_align=4)
-        if deterministic else None,
+        cute.runtime.make_fake_tensor(Int32, (b, h, n_m), stride=(cute.sym_int64(), n_m, 1),
+                                      assumed_align=4) if deterministic else None,
         Float32(1.0),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
