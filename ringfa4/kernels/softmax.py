@@ -155,6 +155,15 @@ def row_max_of(row: cute.Tensor) -> Float32:
     return cute.arch.fmax(cute.arch.fmax(acc[0], acc[1]), cute.arch.fmax(acc[2], acc[3]))
 
 
+@cute.jit
+def row_sum_of(row: cute.Tensor) -> Float32:
+    acc = [row[0], row[1], row[2], row[3]]
+    for i in cutlass.range_constexpr(4, cute.size(row), 4):
+        for j in cutlass.range_constexpr(4):
+            acc[j] = acc[j] + row[i + j]
+    return (acc[0] + acc[1]) + (acc[2] + acc[3])
+
+
 class OnlineSoftmax:
     """Running row max / row sum of one thread's rows.
 
@@ -206,7 +215,7 @@ class OnlineSoftmax:
             m_safe = m_new if m_new != -Float32.inf else Float32(0.0)
             offset = m_safe * self.scale_log2
             self.exp2_row(row, offset)
-            blk_sum = row.load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            blk_sum = row_sum_of(row)
             if const_expr(is_first):
                 row_scale[r] = Float32(1.0)
                 self.row_sum[r] = blk_sum
