@@ -1,6 +1,12 @@
-"""Forward and backward rings, and the autograd.Function that joins them."""
+"""Forward and backward rings, and the autograd.Function that joins them.
+
+Buffers: the caller's k, v are sent at step 0 and never written; two more KV buffers, allocated once
+per call, alternate as receive targets (step i receives into the one that step i-1 computed on). Every transfer is posted before the step's compute and
+waited for (by the compute stream, not the host) after it, so it runs behind that compute.
+"""
 import torch
 
+from ringfa4.ring import timeline
 from ringfa4.ring.comm import Ring
 from ringfa4.ring.merge import merge_
 from ringfa4.ring.schedule import plan
@@ -10,78 +16,80 @@ def _source(rank, step, world):
     return (rank - step) % world
 
 
-def _empty_like(tensors):
-    return [torch.empty_like(t) for t in tensors]
-
-
-def _rotate(kv, kv_next, step):
-    """The buffers of the next step: (the block just received, a free buffer for the one after).
-
-    The caller's k, v are sent at step 0 but never received into; a third buffer replaces them.
-    """
-    return kv_next, (kv if step > 0 else _empty_like(kv))
+def _empty_like(tensors, dtype=None):
+    return [torch.empty_like(t, dtype=dtype) for t in tensors]
 
 
 def ring_forward(backend, q, k, v, causal, softmax_scale, group, rank, world, layout):
     ring = Ring(group, q.device)
     kv = [k.contiguous(), v.contiguous()]
-    kv_next = _empty_like(kv)
+    targets = (_empty_like(kv), _empty_like(kv))
     out = lse = None
     for i in range(world):
-        works = ring.start(kv, kv_next) if i + 1 < world else []
+        works = ring.start(kv, targets[i % 2], span=("fwd", i, "kv")) if i + 1 < world else []
         step = plan(rank, _source(rank, i, world), layout, causal, q.shape[1])
+        started = timeline.begin(q.device)
         if step is not None:
             o, l = backend.forward(q[:, step.q], kv[0][:, step.kv], kv[1][:, step.kv], step.causal, softmax_scale)
             if out is None:  # step 0, the local block, always covers every query row
                 out, lse = o.to(l.dtype), l
             else:
                 merge_(out[:, step.q], lse[:, :, step.q], o, l)
+        timeline.end(started, "fwd", i, "compute")
         ring.wait(works)
-        kv, kv_next = _rotate(kv, kv_next, i)
+        kv = targets[i % 2]
     return out.to(q.dtype), lse
 
 
 def ring_backward(backend, dout, q, k, v, out, lse, causal, softmax_scale, group, rank, world, layout,
                   deterministic):
-    """dq stays home; each KV block travels with fp32 (fp64 for fp64 inputs) dK/dV accumulators and they arrive home after W steps.
+    """dq stays home; each KV block travels with fp32 (fp64 for fp64 inputs) dK/dV accumulators
+    that arrive home after W steps.
 
-    A step's dK/dV goes into a scratch buffer while the accumulator it belongs to is still in
-    flight from the previous rank; it is added once that arrives, so transfers hide behind compute.
+    A step asks the backend for fresh dK/dV of its block (no buffer to zero) while the block's
+    accumulator is still in flight from the previous rank, and adds them once it has arrived. The
+    last hop carries the finished sums already in the input dtype: home adds nothing more to them,
+    so the rounding is the same and the one transfer nothing hides is half as large.
     """
     ring = Ring(group, q.device)
     kv = [k.contiguous(), v.contiguous()]
-    kv_next = _empty_like(kv)
+    targets = (_empty_like(kv), _empty_like(kv))
     acc_dtype = lse.dtype  # fp32, or fp64 for fp64 inputs
     dq = torch.zeros_like(q, dtype=acc_dtype)
-    acc = [torch.zeros_like(k, dtype=acc_dtype), torch.zeros_like(v, dtype=acc_dtype)]
-    inbox, part = _empty_like(acc), _empty_like(acc)
+    dkv = inbox = None
     dkv_works = []
     for i in range(world):
-        kv_works = ring.start(kv, kv_next) if i + 1 < world else []
+        last = i + 1 == world
+        kv_works = ring.start(kv, targets[i % 2], span=("bwd", i, "kv")) if not last else []
         step = plan(rank, _source(rank, i, world), layout, causal, q.shape[1])
-        target = acc if i == 0 else part
+        started = timeline.begin(q.device)
+        grads = None
         if step is not None:
-            if i > 0:
-                for t in part:
-                    t.zero_()
             rows = step.q
-            backend.backward(
+            _, *grads = backend.backward(
                 dout[:, rows], q[:, rows], kv[0][:, step.kv], kv[1][:, step.kv], out[:, rows],
-                lse[:, :, rows], step.causal, softmax_scale, dq=dq[:, rows],
-                dk=target[0][:, step.kv], dv=target[1][:, step.kv], deterministic=deterministic,
+                lse[:, :, rows], step.causal, softmax_scale, dq=dq[:, rows], deterministic=deterministic,
             )
-        if i > 0:
+        if i == 0:  # the local block: every key row has a gradient, it starts the accumulator
+            dkv = [g.to(acc_dtype) for g in grads]
+            inbox = _empty_like(dkv)
+        else:
             ring.wait(dkv_works)
-            acc, inbox = inbox, acc
-            if step is not None:
-                for a, p in zip(acc, part):
-                    a.add_(p)
-        dkv_works = ring.start(acc, inbox, tag=1)
+            dkv, inbox = inbox, dkv
+            if grads is not None:
+                for acc, g in zip(dkv, grads):
+                    acc[:, step.kv].add_(g)
+        timeline.end(started, "bwd", i, "compute")
+        if last:
+            dkv, inbox = [t.to(k.dtype) for t in dkv], _empty_like(kv)
+        dkv_works = ring.start(dkv, inbox, tag=1, span=("bwd", i, "dkv"))
         ring.wait(kv_works)
-        kv, kv_next = _rotate(kv, kv_next, i)
+        kv = targets[i % 2]
+    finished = timeline.begin(q.device)
     ring.wait(dkv_works)
+    timeline.end(finished, "bwd", world, "wait_dkv")
     dk, dv = inbox
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk, dv
 
 
 class RingAttention(torch.autograd.Function):

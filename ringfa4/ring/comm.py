@@ -1,13 +1,17 @@
 """Rotation of tensors around the ring: send to the next rank, receive from the previous one.
 
 On CUDA the point-to-point ops are issued from a dedicated stream that first waits for the compute
-stream (so a buffer is never overwritten while a kernel still reads it), and `wait` makes the compute
-stream, not the host, wait for the transfer. On CPU (gloo) the same calls are plain async sends.
+stream: a receive buffer was read by the previous step's kernels, and a send buffer is written by
+the kernels queued before it, so the transfer may start only once those finished; it then runs
+while the compute stream goes on with the current step. `wait` makes the compute stream, never the
+host, wait for the transfer. On CPU (gloo) the same calls are plain async sends.
 """
 import functools
 
 import torch
 import torch.distributed as dist
+
+from ringfa4.ring import timeline
 
 
 @functools.cache
@@ -21,17 +25,27 @@ class Ring:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         self.next = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
         self.prev = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
+        self.device = device
         self.stream = _comm_stream(device) if device.type == "cuda" else None
 
-    def start(self, send, recv, tag=0):
-        """Post the sends of ``send`` to the next rank and the receives into ``recv`` from the previous one."""
+    def start(self, send, recv, tag=0, span=None):
+        """Post the sends of ``send`` to the next rank and the receives into ``recv`` from the previous one.
+
+        ``span`` = (phase, step, kind) names the transfer in an active timeline recording.
+        """
         ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in recv]
         if self.stream is None:
             return dist.batch_isend_irecv(ops)
-        self.stream.wait_stream(torch.cuda.current_stream())
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            return dist.batch_isend_irecv(ops)
+            start = timeline.begin(self.device) if span else None
+            works = dist.batch_isend_irecv(ops)
+            if start is not None:  # only when recording: make the comm stream see the end of NCCL's work
+                for work in works:
+                    work.wait()
+                timeline.end(start, *span)
+            return works
 
     @staticmethod
     def wait(works):

@@ -1,7 +1,38 @@
-"""Fold partial attention results together through their log-sum-exp, in fp32 (fp64 for fp64 inputs)."""
+"""Fold partial attention results together through their log-sum-exp, in fp32 (fp64 for fp64 inputs).
+
+On CUDA the merge is one torch.compile'd (Inductor/Triton) pass that reads the running (out, lse)
+and the partial and writes the merged result in place: the same formula as a dozen eager ops, but
+each full-size tensor is read once and written once (eager merges are a measurable cost in rings:
+ring-flash-attention #60). Elsewhere (CPU, CI) it runs eagerly: compiling there is slow and gains
+nothing for the tests.
+"""
+import functools
 import math
 
 import torch
+
+
+def _merged(out, lse, out_part, lse_part):
+    """(out, lse) of the union; weights exp(lse_x - lse_new) <= 1, so nothing overflows."""
+    new = torch.logaddexp(lse, lse_part)
+    # Both sides empty: new = -inf; shift by 0 so both weights are exp(-inf) = 0, not NaN.
+    shift = torch.where(new == -math.inf, 0.0, new)
+    w_old = torch.exp(lse - shift).transpose(1, 2).unsqueeze(-1)
+    w_part = torch.exp(lse_part - shift).transpose(1, 2).unsqueeze(-1)
+    return out * w_old + out_part.to(out.dtype) * w_part, new
+
+
+def _merge_into(out, lse, out_part, lse_part):
+    new_out, new_lse = _merged(out, lse, out_part, lse_part)
+    out.copy_(new_out)
+    lse.copy_(new_lse)
+
+
+@functools.cache
+def _fused():
+    # dynamic=True: one kernel serves every sequence length and every strided view (the ring
+    # merges whole local blocks and their halves); no recompiles inside a training run.
+    return torch.compile(_merge_into, fullgraph=True, dynamic=True)
 
 
 def merge_(out, lse, out_part, lse_part):
@@ -11,9 +42,4 @@ def merge_(out, lse, out_part, lse_part):
     out_part (any float dtype) and lse_part are a partial result over other keys for the same queries.
     A side with lse = -inf (no visible key) gets weight 0; both -inf keeps -inf and out unchanged, never NaN.
     """
-    new = torch.logaddexp(lse, lse_part)
-    shift = new.masked_fill(new == -math.inf, 0.0)
-    w_old = torch.exp(lse - shift).transpose(1, 2).unsqueeze(-1)
-    w_part = torch.exp(lse_part - shift).transpose(1, 2).unsqueeze(-1)
-    out.mul_(w_old).add_(out_part.to(out.dtype) * w_part)
-    lse.copy_(new)
+    (_fused() if out.is_cuda else _merge_into)(out, lse, out_part, lse_part)
