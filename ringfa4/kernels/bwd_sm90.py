@@ -15,11 +15,13 @@ dP are computed transposed so that P^T and dS^T stay in registers as the A opera
 and dK products; only dS goes through shared memory (for dQ).
 
 Deterministic mode orders the dQ reductions: the reduction of KV block j into a dQ tile waits
-on a per-tile counter until blocks 0..j-1 have landed, so the sum order is fixed. CTAs are
-launched with the KV block as the fastest grid index, so a CTA only ever waits on CTAs that
-were launched before it.
+on a per-tile counter until the blocks before it in a fixed order have landed (ascending, or
+descending for causal so that no CTA waits for the long-running low blocks). CTAs are launched
+with the KV block as the fastest grid index, in that same order, so a CTA only ever waits on
+CTAs launched before it.
 """
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import cutlass
@@ -112,15 +114,13 @@ def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.
 class AttentionBackwardSm90:
     """Compile-time configuration of the backward kernel; call it under ``cute.compile``.
 
-    dtype: Float16 or BFloat16 (q, k, v, dout). head_dim: 64 or 128. qhead_per_kvhead: query
-    heads per kv head (GQA group). dkv_dtype: dtype of dk/dv; Float32 means "add into", the
+    dtype: Float16 or BFloat16 (q, k, v, dout). head_dim: 64 or 128. dkv_dtype: dtype of dk/dv; Float32 means "add into", the
     input dtype means "overwrite". dq is always an fp32 buffer that the kernel adds into.
     """
 
     num_threads = (_NUM_MMA_WG + 1) * _WG_THREADS
 
-    def __init__(self, dtype, head_dim: int, qhead_per_kvhead: int, causal: bool,
-                 deterministic: bool, dkv_dtype):
+    def __init__(self, dtype, head_dim: int, causal: bool, deterministic: bool, dkv_dtype):
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise ValueError(f"dtype must be Float16 or BFloat16, got {dtype}")
         if head_dim not in (64, 128):
@@ -129,7 +129,6 @@ class AttentionBackwardSm90:
             raise ValueError(f"dkv_dtype must be {dtype} or Float32, got {dkv_dtype}")
         self.dtype = dtype
         self.head_dim = head_dim
-        self.qhead_per_kvhead = qhead_per_kvhead
         self.causal = causal
         self.deterministic = deterministic
         self.dkv_dtype = dkv_dtype
@@ -268,6 +267,11 @@ class AttentionBackwardSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_head, batch = cute.arch.block_idx()
+        num_n_blocks = cute.ceil_div(tK.shape[0], self.tile_n)
+        if const_expr(self.causal and self.deterministic):
+            # Shortest KV blocks first: with the reversed reduction order of _store_dq, the
+            # block a CTA waits for was launched before it and is one step ahead of it.
+            n_block = num_n_blocks - 1 - n_block
 
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dq):
@@ -308,18 +312,20 @@ class AttentionBackwardSm90:
         if const_expr(self.causal):
             m_block_min = n_block * self.tile_n // self.tile_m
         steps_per_head = num_m_blocks - m_block_min
-        num_steps = steps_per_head * self.qhead_per_kvhead
+        # Every query head of this kv head's group (GQA) adds into the same dK, dV registers.
+        group = tQ.shape[2] // tK.shape[2]
+        num_steps = steps_per_head * group
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == 0:
                 self._load(tQ, tK, tV, tdO, tLSE, tDelta, sQ, sK, sV, sdO, sLSE, sDelta,
                            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, pipe_q, pipe_do,
-                           mbar_kv, n_block, kv_head, batch, m_block_min, steps_per_head,
-                           num_steps)
+                           mbar_kv, n_block, kv_head, kv_head * group, batch, m_block_min,
+                           steps_per_head, num_steps)
             if warp_idx == 1:
-                self._store_dq(tdQ, sdQ, tma_dq, mSem, n_block,
-                               kv_head, batch, m_block_min, steps_per_head, num_steps)
+                self._store_dq(tdQ, sdQ, tma_dq, mSem, n_block, num_n_blocks,
+                               kv_head * group, batch, m_block_min, steps_per_head, num_steps)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._mma(sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ,
@@ -330,7 +336,8 @@ class AttentionBackwardSm90:
     @cute.jit
     def _load(self, tQ, tK, tV, tdO, tLSE, tDelta, sQ, sK, sV, sdO, sLSE, sDelta,
               tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, pipe_q, pipe_do, mbar_kv,
-              n_block, kv_head, batch, m_block_min, steps_per_head, num_steps):
+              n_block, kv_head, head0, batch, m_block_min, steps_per_head, num_steps):
+        """head0: first query head of kv_head's group."""
         one = cute.make_layout(1)
         d = self.head_dim
         gK = cute.local_tile(tK[None, None, kv_head, batch], (self.tile_n, d), (n_block, 0))
@@ -349,7 +356,7 @@ class AttentionBackwardSm90:
         for step in cutlass.range(num_steps, unroll=1):
             g = step // steps_per_head
             m_block = m_block_min + step - g * steps_per_head
-            head = kv_head * self.qhead_per_kvhead + g
+            head = head0 + g
             gQ = cute.local_tile(tQ[None, None, head, batch], (self.tile_m, d), (None, 0))
             gdO = cute.local_tile(tdO[None, None, head, batch], (self.tile_m, d), (None, 0))
             gLSE = cute.local_tile(tLSE[None, head, batch], (self.tile_m,), (None,))
@@ -375,7 +382,7 @@ class AttentionBackwardSm90:
             state.advance()
 
     @cute.jit
-    def _store_dq(self, tdQ, sdQ, tma_dq, mSem, n_block, kv_head, batch,
+    def _store_dq(self, tdQ, sdQ, tma_dq, mSem, n_block, num_n_blocks, head0, batch,
                   m_block_min, steps_per_head, num_steps):
         lane = cute.arch.lane_idx()
         one = cute.make_layout(1)
@@ -383,7 +390,7 @@ class AttentionBackwardSm90:
         for step in cutlass.range(num_steps, unroll=1):
             g = step // steps_per_head
             m_block = m_block_min + step - g * steps_per_head
-            head = kv_head * self.qhead_per_kvhead + g
+            head = head0 + g
             gdQ = cute.local_tile(tdQ[None, None, head, batch], (self.dq_rows, self.dq_cols),
                                   (None, None))
             for wg in cutlass.range_constexpr(_NUM_MMA_WG):
@@ -393,11 +400,17 @@ class AttentionBackwardSm90:
                 cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
                                          number_of_threads=_WG_THREADS + 32)
             if const_expr(self.deterministic):
-                # Wait until KV blocks 0 .. n_block-1 have added into this dQ tile.
+                # Wait for the KV blocks that add into this dQ tile before this one: blocks
+                # 0 .. n_block-1, or for causal the blocks after this one (descending order).
+                turn = n_block
+                if const_expr(self.causal):
+                    n_visible = cutlass.min(((m_block + 1) * self.tile_m - 1) // self.tile_n + 1,
+                                            num_n_blocks)
+                    turn = n_visible - 1 - n_block
                 sem_ptr = (mSem[None, head, batch].iterator + m_block)
                 if lane == 0:
                     seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
-                    while seen != n_block:
+                    while seen != turn:
                         seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
             for wg in cutlass.range_constexpr(_NUM_MMA_WG):
                 cute.arch.barrier(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=_WG_THREADS + 32)
@@ -561,41 +574,59 @@ class AttentionBackwardSm90:
 
 
 # ---------------------------------------------------------------- compilation
-_compiled = {}
+@dataclass(frozen=True)
+class BwdSm90Config:
+    """Every compile-time value of the backward kernel; the compile cache is keyed on it."""
+
+    dtype: str  # "bf16" | "fp16"
+    head_dim: int
+    causal: bool
+    deterministic: bool
+    dkv_fp32: bool  # dk, dv are fp32 buffers the kernel adds into (else written in dtype)
+
+    @property
+    def name(self) -> str:
+        return (f"bwd_sm90_{self.dtype}_d{self.head_dim}_{'causal' if self.causal else 'full'}"
+                f"_{'det' if self.deterministic else 'atomic'}"
+                f"_{'dkvadd32' if self.dkv_fp32 else 'dkvstore'}")
+
+    def compile_args(self):
+        from ringfa4.kernels.compile import fake_bshd
+
+        dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[self.dtype]
+        kernel = AttentionBackwardSm90(dt, self.head_dim, self.causal, self.deterministic,
+                                       Float32 if self.dkv_fp32 else dt)
+        b, sq, sk, h, hk, sq_pad, n_m = (cute.sym_int() for _ in range(7))
+
+        def stats():  # (b, h, sq_pad) fp32, rows of whole tiles
+            return cute.runtime.make_fake_tensor(
+                Float32, (b, h, sq_pad),
+                stride=(cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), 1),
+                assumed_align=16)
+
+        def fp32_bshd(s, n):
+            stride = tuple(cute.sym_int64(divisibility=4) for _ in range(3)) + (1,)
+            return cute.runtime.make_fake_tensor(Float32, (b, s, n, self.head_dim),
+                                                 stride=stride, assumed_align=16)
+
+        d = self.head_dim
+        dkv = ((lambda: fp32_bshd(sk, hk)) if self.dkv_fp32
+               else (lambda: fake_bshd(dt, b, sk, hk, d)))
+        sem = (cute.runtime.make_fake_tensor(Int32, (b, h, n_m), stride=(cute.sym_int64(), n_m, 1),
+                                             assumed_align=4) if self.deterministic else None)
+        return kernel, (
+            fake_bshd(dt, b, sq, h, d), fake_bshd(dt, b, sk, hk, d), fake_bshd(dt, b, sk, hk, d),
+            fake_bshd(dt, b, sq, h, d), stats(), stats(), fp32_bshd(sq, h), dkv(), dkv(), sem,
+            Float32(1.0), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        )
 
 
-def compile_backward(dtype, head_dim: int, qhead_per_kvhead: int, causal: bool,
-                     deterministic: bool, dkv_fp32: bool):
-    """Compile (once per key) the backward kernel for shape-generic inputs; returns a callable
-    taking torch tensors (q, k, v, dout, lse2, delta, dq, dk, dv, sem, softmax_scale) and
-    running on the current stream."""
-    key = (dtype, head_dim, qhead_per_kvhead, causal, deterministic, dkv_fp32)
-    if key in _compiled:
-        return _compiled[key]
-    kernel = AttentionBackwardSm90(dtype, head_dim, qhead_per_kvhead, causal, deterministic,
-                                   Float32 if dkv_fp32 else dtype)
-    b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
-    sq_pad, n_m = cute.sym_int(), cute.sym_int()
-
-    def fake(dt, shape):
-        div = 128 // dt.width
-        stride = tuple(cute.sym_int64(divisibility=div) for _ in shape[:-1]) + (1,)
-        return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=16)
-
-    args = (
-        fake(dtype, (b, sq, h, head_dim)), fake(dtype, (b, sk, hk, head_dim)),
-        fake(dtype, (b, sk, hk, head_dim)), fake(dtype, (b, sq, h, head_dim)),
-        fake(Float32, (b, h, sq_pad)), fake(Float32, (b, h, sq_pad)),
-        fake(Float32, (b, sq, h, head_dim)),
-        fake(kernel.dkv_dtype, (b, sk, hk, head_dim)), fake(kernel.dkv_dtype, (b, sk, hk, head_dim)),
-        cute.runtime.make_fake_tensor(Int32, (b, h, n_m), stride=(cute.sym_int64(), n_m, 1),
-                                      assumed_align=4) if deterministic else None,
-        Float32(1.0),
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-    )
-    compiled = cute.compile(kernel, *args, options="--enable-tvm-ffi")
-    _compiled[key] = compiled
-    return compiled
+# Shipped backward variants: every (dtype, head_dim, causal, deterministic, dk/dv mode).
+VARIANTS = [
+    BwdSm90Config(dt, d, c, det, f32)
+    for dt in ("bf16", "fp16") for d in (64, 128) for c in (False, True)
+    for det in (False, True) for f32 in (False, True)
+]
 
 
 # ---------------------------------------------------------------- torch entry point
@@ -651,7 +682,10 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         raise ValueError(f"causal attention needs seq_q == seq_k, got {sq} and {sk}")
     if min(b, sq, sk) == 0:
         raise ValueError(f"empty input: batch {b}, seq_q {sq}, seq_k {sk}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout)):
+    q, k, v, out, lse = (t.detach() for t in (q, k, v, out, lse))
+    # Autograd may hand over any layout of dout (a broadcast one for loss = out.sum()).
+    dout = dout.detach() if _tma_ok(dout) else dout.detach().contiguous()
+    for name, t in (("q", q), ("k", k), ("v", v)):
         if not _tma_ok(t):
             raise ValueError(f"{name} needs a contiguous head dim and 16-byte aligned strides, "
                              f"got strides {t.stride()}")
@@ -662,12 +696,15 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     tile_m = _tile_m(d)
     n_m = (sq + tile_m - 1) // tile_m
     dev = q.device
-    # Preprocess: lse in log2 units (+inf where no key is visible, so P = 0 there, never NaN)
-    # and delta = rowsum(dO * O), both padded to whole query tiles.
-    lse2 = torch.full((b, h, n_m * tile_m), math.inf, dtype=torch.float32, device=dev)
-    lse2[..., :sq] = torch.where(lse == -math.inf, math.inf, lse * LOG2_E)
-    delta = torch.zeros((b, h, n_m * tile_m), dtype=torch.float32, device=dev)
-    delta[..., :sq] = torch.einsum("bshd,bshd->bhs", dout.float(), out.float())
+    from ringfa4.kernels.bwd_preprocess import BwdPreprocessConfig
+    from ringfa4.kernels.compile import compile_variant
+
+    dtype = "bf16" if q.dtype == torch.bfloat16 else "fp16"
+    lse2 = torch.empty((b, h, n_m * tile_m), dtype=torch.float32, device=dev)
+    delta = torch.empty((b, h, n_m * tile_m), dtype=torch.float32, device=dev)
+    compile_variant(BwdPreprocessConfig(dtype, d))(
+        out if _tma_ok(out) else out.contiguous(), dout,
+        lse if lse.stride(-1) == 1 else lse.contiguous(), lse2, delta)
 
     dq_acc = dq if dq is not None and dq.dtype == torch.float32 and _tma_ok(dq) else None
     if dq_acc is None:
@@ -680,8 +717,8 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         dv_out = torch.empty((b, sk, hk, d), dtype=q.dtype, device=dev)
     sem = (torch.zeros((b, h, n_m), dtype=torch.int32, device=dev) if deterministic else None)
 
-    dtype = cutlass.BFloat16 if q.dtype == torch.bfloat16 else cutlass.Float16
-    fn = compile_backward(dtype, d, h // hk, bool(causal), bool(deterministic), dkv_fp32)
+    cfg = BwdSm90Config(dtype, d, bool(causal), bool(deterministic), dkv_fp32)
+    fn = compile_variant(cfg)
     fn(q, k, v, dout, lse2, delta, dq_acc, dk_out, dv_out, sem, float(softmax_scale))
 
     if dq is None:

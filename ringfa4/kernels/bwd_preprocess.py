@@ -1,0 +1,90 @@
+"""Backward preprocess: delta = rowsum(dO * O) in fp32 and the lse in log2 units, written as
+(b, h, s_pad) fp32 rows padded to whole query tiles of the backward kernel (which loads them by
+TMA). Rows that see no key (lse = -inf) and pad rows get lse +inf, so that P = exp2(S - lse)
+is exactly 0 there instead of NaN.
+
+Eight threads share one row (head_dim / 8 contiguous elements each, 16-byte loads) and add
+their partial sums with butterfly shuffles.
+"""
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+LOG2_E = math.log2(math.e)
+_THREADS = 128
+_THREADS_PER_ROW = 8
+_ROWS = _THREADS // _THREADS_PER_ROW
+
+
+class BwdPreprocess:
+    def __init__(self, dtype, head_dim: int):
+        self.dtype = dtype
+        self.head_dim = head_dim
+
+    @cute.jit
+    def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
+                 mDelta: cute.Tensor, stream):
+        """o, dout (b, s, h, d); lse (b, h, s) fp32; lse2, delta (b, h, s_pad) fp32 outputs."""
+        grid = (cute.ceil_div(mDelta.shape[2], _ROWS), mO.shape[2], mO.shape[0])
+        self.kernel(mO, mdO, mLSE, mLSE2, mDelta).launch(
+            grid=grid, block=[_THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
+               mDelta: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        row_block, head, batch = cute.arch.block_idx()
+        row = row_block * _ROWS + tidx // _THREADS_PER_ROW
+        part = tidx % _THREADS_PER_ROW
+        seqlen = mO.shape[1]
+        chunk = self.head_dim // _THREADS_PER_ROW
+
+        delta = Float32(0.0)
+        if row < seqlen:
+            ro = cute.make_rmem_tensor((chunk,), self.dtype)
+            rdo = cute.make_rmem_tensor((chunk,), self.dtype)
+            cute.autovec_copy(cute.local_tile(mO[batch, row, head, None], (chunk,), (part,)), ro)
+            cute.autovec_copy(cute.local_tile(mdO[batch, row, head, None], (chunk,), (part,)), rdo)
+            prod = ro.load().to(Float32) * rdo.load().to(Float32)
+            delta = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        for offset in cutlass.range_constexpr(int(math.log2(_THREADS_PER_ROW)) - 1, -1, -1):
+            delta = delta + cute.arch.shuffle_sync_bfly(delta, offset=1 << offset)
+        if part == 0 and row < mDelta.shape[2]:
+            lse2 = Float32.inf
+            if row < seqlen:
+                lse = mLSE[batch, head, row]
+                lse2 = Float32.inf if lse == -Float32.inf else lse * LOG2_E
+            mLSE2[batch, head, row] = lse2
+            mDelta[batch, head, row] = delta
+
+
+@dataclass(frozen=True)
+class BwdPreprocessConfig:
+    """Compile-time values of the preprocess (compile cache key)."""
+
+    dtype: str  # "bf16" | "fp16"
+    head_dim: int
+
+    @property
+    def name(self) -> str:
+        return f"bwd_preprocess_{self.dtype}_d{self.head_dim}"
+
+    def compile_args(self):
+        from ringfa4.kernels.compile import fake_bshd
+
+        dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[self.dtype]
+        b, s, h, s_pad = (cute.sym_int() for _ in range(4))
+
+        def stats(n):
+            return cute.runtime.make_fake_tensor(
+                Float32, (b, h, n), stride=(cute.sym_int64(), cute.sym_int64(), 1),
+                assumed_align=4)
+
+        return BwdPreprocess(dt, self.head_dim), (
+            fake_bshd(dt, b, s, h, self.head_dim), fake_bshd(dt, b, s, h, self.head_dim),
+            stats(s), stats(s_pad), stats(s_pad),
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        )
