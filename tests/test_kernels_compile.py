@@ -38,11 +38,12 @@ def test_cute_backend_names_the_missing_gpu():
     assert reason is not None and "CUDA" in reason
 
 
-def test_cute_backend_reports_backward_is_not_built():
-    reason = cute_backend.unsupported_reason(*_qkv(), causal=False, grad=True)
-    assert reason == "cute backward kernel: not built yet (issue 4)"
-    with pytest.raises(NotImplementedError, match="issue 4"):
-        cute_backend.backward(*([None] * 6), False, None)
+def test_cute_backward_raises_the_reason_for_unsupported_inputs():
+    q, k, v = _qkv()
+    reason = cute_backend.unsupported_reason(q, k, v, causal=False, grad=True)
+    assert reason is not None and "CUDA" in reason
+    with pytest.raises(ValueError, match="backend 'cute' cannot run these inputs: .*CUDA"):
+        cute_backend.backward(q, q, k, v, q, torch.zeros(1, 2, 16), False, None)
 
 
 def test_cute_forward_raises_the_reason_for_unsupported_inputs():

@@ -20,8 +20,6 @@ def _layout_reason(name, t):
 
 
 def unsupported_reason(q, k, v, causal, grad):
-    if grad:
-        return "cute backward kernel: not built yet (issue 4)"
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return f"cute kernels run on CUDA tensors only, got devices {q.device}, {k.device}, {v.device}"
     major, minor = torch.cuda.get_device_capability(q.device)
@@ -95,4 +93,11 @@ def forward(q, k, v, causal, softmax_scale, out=None, lse=None):
 
 def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, dv=None,
              deterministic=False):
-    raise NotImplementedError("cute backward kernel: not built yet (issue 4)")
+    reason = unsupported_reason(q, k, v, causal, grad=True)
+    if reason is not None:
+        raise ValueError(f"backend 'cute' cannot run these inputs: {reason}")
+    from ringfa4.kernels import bwd_sm90
+
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return bwd_sm90.backward(dout, q, k, v, out, lse, causal, scale, dq, dk, dv,
+                             deterministic=deterministic)

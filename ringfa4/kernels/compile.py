@@ -17,6 +17,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
+from ringfa4.kernels import bwd_sm90
 from ringfa4.kernels.fwd_sm90 import FwdSm90, FwdSm90Config
 
 ARCH = "sm_90a"
@@ -50,7 +51,7 @@ def _fwd_compile_args(cfg: FwdSm90Config):
         Float32, (b, h, sq), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
     )
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return FwdSm90(cfg), (q, k, v, o, lse, Float32(1.0), stream)
+    return FwdSm90(cfg), (q, k, v, o, lse, Float32(1.0), cutlass.Int32(1), stream)
 
 
 FwdSm90Config.compile_args = _fwd_compile_args
@@ -59,6 +60,8 @@ FwdSm90Config.compile_args = _fwd_compile_args
 VARIANTS = [
     fwd_defaults(dt, d, c) for dt in ("bf16", "fp16") for d in (64, 128) for c in (False, True)
 ]
+# ... and the backward ones (ringfa4.kernels.bwd_sm90.VARIANTS).
+VARIANTS += bwd_sm90.VARIANTS
 
 _cache = {}
 compile_seconds = {}
