@@ -1,5 +1,7 @@
 """Forward attention kernels side by side in one process on one GPU: ringfa4 (backend "cute")
 vs upstream FA4 (flash_attn.cute) vs cuDNN SDPA, plus the on/off table of our techniques.
+Backward rows (direction "bwd", hdim 128, FLOPs 2.5x forward) time the same three backward
+passes from the same (out, lse), plus ringfa4 and FA4 in deterministic mode.
 
     python bench/kernels.py --commit $(git rev-parse --short HEAD) [--quick] [--sass DIR]
 
@@ -93,6 +95,73 @@ def kernel_table(args, meta):
     return rows
 
 
+def check_bwd_against_fa4(ours, ref):
+    diff = max((a.float() - r.float()).abs().max().item() for a, r in zip(ours, ref))
+    scale = max(r.float().abs().max().item() for r in ref)
+    # Two bf16 kernels on the same inputs: differences stay at bf16 rounding of the gradients.
+    if not diff <= 2e-2 * scale:
+        raise RuntimeError(f"ringfa4 backward disagrees with FA4: max |diff|={diff:.3e}, "
+                           f"max |grad|={scale:.3e}")
+    return diff
+
+
+def bwd_table(args, meta, d=128):
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    rows = []
+    seqs = SEQS[:3] if args.quick else SEQS
+    for causal in (False, True):
+        for seq in seqs:
+            q, k, v = inputs(seq, d)
+            dout = torch.randn_like(q)
+            b = q.shape[0]
+            out, lse = fa4_backend.forward(q, k, v, causal, None)
+
+            def ours(det):
+                return cute_backend.backward(dout, q, k, v, out, lse, causal, None,
+                                             deterministic=det)
+
+            def fa4(det):
+                return _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=d ** -0.5,
+                                       causal=causal, deterministic=det)[:3]
+
+            ref = fa4(False)
+            diff = max(check_bwd_against_fa4(ours(det), ref) for det in (False, True))
+            times = dict(ringfa4=time_ms(lambda: ours(False)),
+                         ringfa4_det=time_ms(lambda: ours(True)),
+                         fa4=time_ms(lambda: fa4(False)), fa4_det=time_ms(lambda: fa4(True)))
+            qt, kt, vt = (t.transpose(1, 2).requires_grad_() for t in (q, k, v))
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            dot = dout.transpose(1, 2)
+            times["cudnn"] = time_ms(
+                lambda: torch.autograd.grad(o, (qt, kt, vt), dot, retain_graph=True))
+            row = dict(meta, direction="bwd", dtype="bf16", hdim=d, seq=seq, causal=causal,
+                       **{f"{k_}_tflops": round(2.5 * tflops(b, seq, HEADS, d, causal, ms), 1)
+                          for k_, ms in times.items()},
+                       max_abs_diff_vs_fa4=diff)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del q, k, v, dout, out, lse, qt, kt, vt, o
+    return rows
+
+
+def bwd_markdown(rows):
+    out = ["", "Backward, bf16 (TFLOP/s, FLOPs 2.5x forward; det = deterministic mode):", "",
+           "| hdim | causal | seq | ringfa4 | ringfa4 det | FA4 | FA4 det | cuDNN | ringfa4/FA4 "
+           "| ringfa4/cuDNN | det/default |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(
+            f"| {r['hdim']} | {r['causal']} | {r['seq']} | {r['ringfa4_tflops']} | "
+            f"{r['ringfa4_det_tflops']} | {r['fa4_tflops']} | {r['fa4_det_tflops']} | "
+            f"{r['cudnn_tflops']} | {r['ringfa4_tflops'] / r['fa4_tflops']:.2f} | "
+            f"{r['ringfa4_tflops'] / r['cudnn_tflops']:.2f} | "
+            f"{r['ringfa4_det_tflops'] / r['ringfa4_tflops']:.2f} |")
+    return "\n".join(out)
+
+
 TECHNIQUES = [
     ("all on (shipped)", {}),
     ("no ping-pong", dict(pingpong=False)),
@@ -181,23 +250,27 @@ def main():
     p.add_argument("--quick", action="store_true", help="seq 1k..4k only")
     p.add_argument("--no-techniques", action="store_true")
     p.add_argument("--sass", metavar="DIR", help="also report registers/spills and SASS HGMMA")
+    p.add_argument("--direction", choices=("fwd", "bwd", "both"), default="both")
     args = p.parse_args()
     reason = fa4_backend.unsupported_reason(*inputs(128, 128)[:3], False, False)
     if reason:
         sys.exit(f"FA4 anchor unavailable: {reason}")
     meta = dict(device=torch.cuda.get_device_name(), commit=args.commit,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"))
-    rows = kernel_table(args, meta)
-    techniques = [] if args.no_techniques else technique_table(args, meta)
+    rows = kernel_table(args, meta) if args.direction != "bwd" else []
+    techniques = [] if args.no_techniques or args.direction == "bwd" else technique_table(args, meta)
+    bwd_rows = bwd_table(args, meta) if args.direction != "fwd" else []
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "kernels.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump(rows + bwd_rows, f, indent=1)
     if techniques:
         with open(os.path.join(RESULTS, "kernels_techniques.json"), "w") as f:
             json.dump(techniques, f, indent=1)
     if args.sass:
         print("\n".join(sass_report(args.sass)))
     print(markdown(rows, techniques, meta))
+    if bwd_rows:
+        print(bwd_markdown(bwd_rows))
 
 
 if __name__ == "__main__":
