@@ -1,6 +1,7 @@
 """Where the ranks come from: torchrun's environment, or local worker processes started here."""
 import os
 import socket
+import tempfile
 
 import torch
 import torch.multiprocessing as mp
@@ -26,14 +27,16 @@ def free_port():
 def spawn(fn, world_size, *args):
     """Run fn(*args, rank, world_size, local_rank) in ``world_size`` fresh processes on this
     machine, rendezvous on 127.0.0.1 with a free port; returns rank 0's result."""
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_run_rank, args=(fn, world_size, free_port(), args, queue), nprocs=world_size, join=True)
-    return queue.get()
+    with tempfile.TemporaryDirectory() as tmp:
+        # A file, not a queue: a large result would fill a pipe nobody drains until the join.
+        result = os.path.join(tmp, "rank0.pt")
+        mp.spawn(_run_rank, args=(fn, world_size, free_port(), args, result), nprocs=world_size, join=True)
+        return torch.load(result, weights_only=False)
 
 
-def _run_rank(rank, fn, world_size, port, args, queue):
+def _run_rank(rank, fn, world_size, port, args, result_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     result = fn(*args, rank, world_size, rank)
     if rank == 0:
-        queue.put(result)
+        torch.save(result, result_path)
