@@ -1,5 +1,6 @@
 """Our own CuTe DSL kernels (ringfa4.kernels) on Hopper (sm_90). cutlass is imported only when a
 kernel is compiled, so CPU-only users never need nvidia-cutlass-dsl."""
+import functools
 import importlib.util
 import math
 
@@ -51,9 +52,16 @@ def _check_out(name, t, shape, dtype, device):
         )
 
 
-def forward(q, k, v, causal, softmax_scale, out=None, lse=None):
+@functools.cache
+def _num_sms(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None):
     """(out, lse). ``out`` (like q) and ``lse`` (float32, (b, h, sq), contiguous last dim) may be
-    given preallocated; they are then written and returned."""
+    given preallocated; they are then written and returned. ``config`` (a
+    ringfa4.kernels.fwd_sm90.FwdSm90Config for these dtype/head_dim/causal) replaces the
+    default kernel configuration, for benchmarks and tests of the technique switches."""
     reason = unsupported_reason(q, k, v, causal, grad=False)
     if reason is not None:
         raise ValueError(f"backend 'cute' cannot run these inputs: {reason}")
@@ -86,8 +94,12 @@ def forward(q, k, v, causal, softmax_scale, out=None, lse=None):
 
     from ringfa4.kernels.compile import compile_variant, fwd_defaults
 
-    kernel = compile_variant(fwd_defaults(_DTYPE_NAMES[q.dtype], d, causal))
-    kernel(q.detach(), k.detach(), v.detach(), out.detach(), lse, scale)
+    if config is None:
+        config = fwd_defaults(_DTYPE_NAMES[q.dtype], d, causal)
+    elif (config.dtype, config.head_dim, config.causal) != (_DTYPE_NAMES[q.dtype], d, causal):
+        raise ValueError(f"config {config.name} does not match dtype={q.dtype}, head_dim={d}, causal={causal}")
+    kernel = compile_variant(config)
+    kernel(q.detach(), k.detach(), v.detach(), out.detach(), lse, scale, _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()))
     return out, lse
 
 

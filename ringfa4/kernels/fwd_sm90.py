@@ -61,6 +61,7 @@ class FwdSm90Config:
     rescale_threshold: Optional[float] = 8.0
     ex2_fma_per16: int = 0
     lpt: bool = False
+    persistent: bool = False
 
     @property
     def name(self) -> str:
@@ -69,7 +70,7 @@ class FwdSm90Config:
             "pp" if self.pingpong else "nopp",
             f"rs{self.rescale_threshold:g}" if self.rescale_threshold is not None else "rsalways",
             f"ex{self.ex2_fma_per16}",
-        ] + (["lpt"] if self.lpt else [])
+        ] + (["lpt"] if self.lpt else []) + (["persist"] if self.persistent else [])
         return (
             f"fwd_sm90_{self.dtype}_d{self.head_dim}_{'causal' if self.causal else 'full'}"
             f"_{self.tile_m}x{self.tile_n}s{self.num_stages}_" + "_".join(flags)
@@ -127,6 +128,7 @@ class FwdSm90:
         mO: cute.Tensor,  # (b, sq, h, d)
         mLSE: cute.Tensor,  # (b, h, sq) fp32
         softmax_scale: Float32,
+        num_ctas: Int32,  # persistent grid size (the GPU's SM count); ignored otherwise
         stream,
     ):
         # Kernel views: (seq, d, head, batch) and lse (seq, head, batch).
@@ -145,7 +147,7 @@ class FwdSm90:
         sQ_layout = _smem_layout(dt, self.tile_m, self.d)
         sK_layout = _smem_layout(dt, self.tile_n, self.d, self.stages)
         sV_layout = _smem_layout(dt, self.tile_n, self.d, self.stages)
-        sO_layout = sQ_layout  # O is staged in Q's buffer once Q is no longer read
+        sO_layout = sQ_layout
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (self.tile_m, self.d))
@@ -161,6 +163,8 @@ class FwdSm90:
         self.tx_q = cute.size_in_bytes(dt, sQ_layout)
         self.tx_kv = cute.size_in_bytes(dt, cute.select(sK_layout, mode=[0, 1]))
 
+        o_size = cute.cosize(sO_layout) if const_expr(self.cfg.persistent) else 0
+
         @cute.struct
         class SharedStorage:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
@@ -169,27 +173,28 @@ class FwdSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[dt, o_size], 1024]
 
         num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
         num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
+        grid = cutlass.min(num_tiles, num_ctas) if const_expr(self.cfg.persistent) else num_tiles
         self.kernel(
             tma_Q, tma_K, tma_V, tma_O, mLSE,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
-            softmax_scale * LOG2_E,
+            softmax_scale * LOG2_E, num_tiles,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(
-            grid=[num_tiles, 1, 1],
+            grid=[grid, 1, 1],
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
         )
 
     @cute.jit
-    def tile_coords(self, seqlen_q: Int32, seqlen_k: Int32, heads: Int32, batch: Int32):
-        """(m_block, head, batch) of this CTA. LPT: heads in groups whose K/V fit in L2, each
-        group's tiles longest (last query block under causal) first."""
-        tile = Int32(cute.arch.block_idx()[0])
+    def tile_coords(self, tile: Int32, seqlen_q: Int32, seqlen_k: Int32, heads: Int32, batch: Int32):
+        """(m_block, head, batch) of work tile `tile`. LPT: heads in groups whose K/V fit in L2,
+        each group's tiles longest (last query block under causal) first."""
         num_m = (seqlen_q + self.tile_m - 1) // self.tile_m
         num_bh = heads * batch
         m_block = Int32(0)
@@ -208,6 +213,13 @@ class FwdSm90:
             bh = tile // num_m
         return m_block, bh % heads, bh // heads
 
+    def n_blocks(self, m_block, seqlen_k):
+        """Key blocks this query block sees."""
+        n = (seqlen_k + self.tile_n - 1) // self.tile_n
+        if const_expr(self.cfg.causal):
+            n = cutlass.min(n, ((m_block + 1) * self.tile_m + self.tile_n - 1) // self.tile_n)
+        return n
+
     @cute.kernel
     def kernel(
         self,
@@ -215,6 +227,7 @@ class FwdSm90:
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
         tma_atom_O: cute.CopyAtom,
         scale_log2: Float32,
+        num_tiles: Int32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -249,16 +262,10 @@ class FwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-        m_block, head, batch = self.tile_coords(seqlen_q, seqlen_k, mQ.shape[2], mQ.shape[3])
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
-        n_block_max = (seqlen_k + self.tile_n - 1) // self.tile_n
-        if const_expr(self.cfg.causal):
-            n_block_max = cutlass.min(
-                n_block_max, ((m_block + 1) * self.tile_m + self.tile_n - 1) // self.tile_n
-            )
+        # A persistent CTA loads the next Q while this tile's O is stored: separate buffers.
+        sO = (storage.sO if const_expr(self.cfg.persistent) else storage.sQ).get_tensor(
+            sO_layout.outer, swizzle=sO_layout.inner
+        )
         pipeline_init_wait()
 
         if warp_idx < 4:
@@ -266,48 +273,55 @@ class FwdSm90:
             if warp_idx == 0:
                 self.load(
                     mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                    pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_block_max,
+                    pipe_q, pipe_k, pipe_v, num_tiles,
                 )
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(
-                mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                pipe_q, pipe_k, pipe_v, scale_log2, m_block, head, batch,
-                seqlen_q, seqlen_k, n_block_max,
+                mQ, mK, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                pipe_q, pipe_k, pipe_v, scale_log2, num_tiles,
             )
 
     @cute.jit
     def load(
         self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-        pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_block_max,
+        pipe_q, pipe_k, pipe_v, num_tiles,
     ):
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.d), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
-        one = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-        )
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-        )
-
-        # Blocks run from the last (diagonal under causal) down to 0: masked blocks first.
-        # K of block j+1 is requested before V of block j, the order the consumers use them.
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        self.load_block(pipe_k, tma_atom_K, tKgK, tKsK, n_block_max - 1, state)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipe_q.producer_acquire(q_state)
-        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-        for i in cutlass.range(n_block_max - 1, unroll=1):
-            prev = state.clone()
+        tile = Int32(cute.arch.block_idx()[0])
+        while tile < num_tiles:
+            m_block, head, batch = self.tile_coords(tile, seqlen_q, seqlen_k, mQ.shape[2], mQ.shape[3])
+            head_kv = head // (mQ.shape[2] // mK.shape[2])
+            n_block_max = self.n_blocks(m_block, seqlen_k)
+            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.d), (m_block, 0))
+            gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
+            gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
+            one = cute.make_layout(1)
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            )
+            tKsK, tKgK = cpasync.tma_partition(
+                tma_atom_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+            )
+            tVsV, tVgV = cpasync.tma_partition(
+                tma_atom_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+            )
+            # Blocks run from the last (diagonal under causal) down to 0: masked blocks first.
+            # K of block j+1 is requested before V of block j, the order consumers use them.
+            self.load_block(pipe_k, tma_atom_K, tKgK, tKsK, n_block_max - 1, state)
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            q_state.advance()
+            for i in cutlass.range(n_block_max - 1, unroll=1):
+                prev = state.clone()
+                state.advance()
+                self.load_block(pipe_k, tma_atom_K, tKgK, tKsK, n_block_max - 2 - i, state)
+                self.load_block(pipe_v, tma_atom_V, tVgV, tVsV, n_block_max - 1 - i, prev)
+            self.load_block(pipe_v, tma_atom_V, tVgV, tVsV, 0, state)
             state.advance()
-            self.load_block(pipe_k, tma_atom_K, tKgK, tKsK, n_block_max - 2 - i, state)
-            self.load_block(pipe_v, tma_atom_V, tVgV, tVsV, n_block_max - 1 - i, prev)
-        self.load_block(pipe_v, tma_atom_V, tVgV, tVsV, 0, state)
+            tile += cute.arch.grid_dim()[0]
 
     @cute.jit
     def load_block(self, pipe, atom, tXgX, tXsX, n_block, state):
@@ -331,9 +345,10 @@ class FwdSm90:
 
     @cute.jit
     def consume(
-        self, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-        pipe_q, pipe_k, pipe_v, scale_log2, m_block, head, batch, seqlen_q, seqlen_k, n_block_max,
+        self, mQ, mK, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+        pipe_q, pipe_k, pipe_v, scale_log2, num_tiles,
     ):
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
         wg_first_thread = cute.make_layout(self.num_wg, stride=128)
@@ -358,63 +373,72 @@ class FwdSm90:
         tScS = acc_rows_view(thr_qk.partition_C(cS))
         t0ScS = acc_rows_view(tiled_mma_qk.get_slice(0).partition_C(cS))
 
-        softmax = OnlineSoftmax(
-            scale_log2, cute.size(tScS, mode=[0]), self.cfg.rescale_threshold,
-            self.cfg.ex2_fma_per16,
-        )
-        acc_O.fill(0.0)
-
-        ctx = SimpleNamespace(
-            tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
-            tOrVt=tOrVt, tOrP=tOrP, acc_O=acc_O, s_shape=s_shape, tScS=tScS, t0ScS=t0ScS,
-            softmax=softmax, pipe_k=pipe_k, pipe_v=pipe_v, m_block=m_block, seqlen_k=seqlen_k,
-        )
         self.sched_init()
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        pipe_q.consumer_wait(q_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         causal = self.cfg.causal
         ovl = self.cfg.intra_wg_overlap
-        # First (rightmost) block: the only one that can hold keys past seqlen_k.
-        n_first = n_block_max - 1
-        if const_expr(ovl):
-            pipe_k.consumer_wait(state)
-            acc_S = self.qk(ctx, state.index)
-            warpgroup.wait_group(0)
-            pipe_k.consumer_release(state)
-            self.apply_mask(ctx, acc_S, n_first, causal, True)
-            softmax.step(acc_S, is_first=True)
-            convert_to(acc_as_operand_a(acc_S), tOrP)
-        else:
-            self.sched_sync()
-            state = self.step_serial(ctx, state, n_first, causal, True, True)
-        # Blocks crossing the diagonal still need the causal mask; the rest need none.
-        n_unmasked = n_first
-        if const_expr(causal):
-            n_unmasked = cutlass.min(n_first, (m_block * self.tile_m + 1) // self.tile_n)
-            for i in cutlass.range(n_first - n_unmasked, unroll=1):
-                n_block = n_first - 1 - i
-                if const_expr(ovl):
-                    state = self.step_overlap(ctx, state, n_block, True)
-                else:
-                    state = self.step_serial(ctx, state, n_block, True, False, False)
-        for i in cutlass.range(n_unmasked, unroll=1):
-            n_block = n_unmasked - 1 - i
+        tile = Int32(cute.arch.block_idx()[0])
+        while tile < num_tiles:
+            m_block, head, batch = self.tile_coords(tile, seqlen_q, seqlen_k, mQ.shape[2], mQ.shape[3])
+            n_block_max = self.n_blocks(m_block, seqlen_k)
+            softmax = OnlineSoftmax(
+                scale_log2, cute.size(tScS, mode=[0]), self.cfg.rescale_threshold,
+                self.cfg.ex2_fma_per16,
+            )
+            ctx = SimpleNamespace(
+                tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
+                tOrVt=tOrVt, tOrP=tOrP, acc_O=acc_O, s_shape=s_shape, tScS=tScS, t0ScS=t0ScS,
+                softmax=softmax, pipe_k=pipe_k, pipe_v=pipe_v, m_block=m_block,
+                seqlen_k=seqlen_k,
+            )
+            acc_O.fill(0.0)
+            pipe_q.consumer_wait(q_state)
+            # First (rightmost) block: the only one that can hold keys past seqlen_k.
+            n_first = n_block_max - 1
             if const_expr(ovl):
-                state = self.step_overlap(ctx, state, n_block, False)
+                pipe_k.consumer_wait(state)
+                acc_S = self.qk(ctx, state.index)
+                warpgroup.wait_group(0)
+                pipe_k.consumer_release(state)
+                self.apply_mask(ctx, acc_S, n_first, causal, True)
+                softmax.step(acc_S, is_first=True)
+                convert_to(acc_as_operand_a(acc_S), tOrP)
             else:
-                state = self.step_serial(ctx, state, n_block, False, False, False)
-        if const_expr(ovl):
-            pipe_v.consumer_wait(state)
-            self.pv(ctx, state.index, 0)
-            pipe_v.consumer_release(state)
-        else:
-            self.sched_pass()
+                self.sched_sync()
+                state = self.step_serial(ctx, state, n_first, causal, True, True)
+            # Blocks crossing the diagonal still need the causal mask; the rest need none.
+            n_unmasked = n_first
+            if const_expr(causal):
+                n_unmasked = cutlass.min(n_first, (m_block * self.tile_m + 1) // self.tile_n)
+                for i in cutlass.range(n_first - n_unmasked, unroll=1):
+                    n_block = n_first - 1 - i
+                    if const_expr(ovl):
+                        state = self.step_overlap(ctx, state, n_block, True)
+                    else:
+                        state = self.step_serial(ctx, state, n_block, True, False, False)
+            for i in cutlass.range(n_unmasked, unroll=1):
+                n_block = n_unmasked - 1 - i
+                if const_expr(ovl):
+                    state = self.step_overlap(ctx, state, n_block, False)
+                else:
+                    state = self.step_serial(ctx, state, n_block, False, False, False)
+            # Every S of this tile is computed: the producer may load the next tile's Q.
+            pipe_q.consumer_release(q_state)
+            q_state.advance()
+            if const_expr(ovl):
+                pipe_v.consumer_wait(state)
+                self.pv(ctx, state.index, 0)
+                pipe_v.consumer_release(state)
+                state.advance()
+            else:
+                self.sched_pass()
 
-        self.epilogue(
-            acc_O, softmax, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx,
-            m_block, head, batch, seqlen_q,
-        )
+            self.epilogue(
+                acc_O, softmax, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx,
+                m_block, head, batch, seqlen_q,
+            )
+            tile += cute.arch.grid_dim()[0]
 
     @cute.jit
     def qk(self, ctx, stage):
@@ -516,7 +540,8 @@ class FwdSm90:
         scale_rows(acc_O, inv_sum)
         rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
         convert_to(acc_O, rO)
-        # Every consumer has finished reading Q (the O staging buffer) before it is overwritten.
+        # Every consumer is done with the staging buffer: Q's (non-persistent: all S are
+        # computed) or the previous tile's O (its bulk store has read it, see below).
         cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
         st_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype

@@ -220,11 +220,9 @@ class OnlineSoftmax:
                 row_scale[r] = Float32(1.0)
                 self.row_sum[r] = blk_sum
             else:
-                # exp2(-inf) = 0 covers a previous max of -inf (nothing accumulated yet).
-                row_scale[r] = (
-                    Float32(1.0) if m_new == m_prev
-                    else ex2_mufu((m_prev - m_safe) * self.scale_log2)
-                )
+                # exp2(0) = 1 exactly when the max is kept; exp2(-inf) = 0 covers a previous
+                # max of -inf (nothing accumulated yet).
+                row_scale[r] = ex2_mufu((m_prev - m_safe) * self.scale_log2)
                 self.row_sum[r] = self.row_sum[r] * row_scale[r] + blk_sum
         return row_scale
 

@@ -53,11 +53,11 @@ def _lowp_reference(q, k, v, causal, scale):
     return torch.matmul(p, vh).transpose(1, 2), lse
 
 
-def _check(q, k, v, causal, scale, seed, out=None, lse=None):
+def _check(q, k, v, causal, scale, seed, out=None, lse=None, config=None):
     eff_scale = q.shape[-1] ** -0.5 if scale is None else scale
     ref_out, ref_lse = torch_ref.forward(*(t.double() for t in (q, k, v)), causal, eff_scale)
     pt_out, pt_lse = _lowp_reference(q, k, v, causal, eff_scale)
-    got_out, got_lse = cute_backend.forward(q, k, v, causal, scale, out=out, lse=lse)
+    got_out, got_lse = cute_backend.forward(q, k, v, causal, scale, out=out, lse=lse, config=config)
     if out is not None:
         assert got_out is out and got_lse is lse
     assert got_out.dtype == q.dtype and got_out.shape == q.shape
@@ -127,6 +127,7 @@ def test_scores_with_large_spread_are_exact_under_conditional_rescale():
 
 
 # Every technique switch must keep results right, since the benchmark times each of them.
+# 2 x 2000 x 8 heads is 256 query tiles: more than the 132 SMs, so persistent CTAs loop.
 FLAG_VARIANTS = [
     dict(intra_wg_overlap=False),
     dict(pingpong=False),
@@ -135,7 +136,12 @@ FLAG_VARIANTS = [
     dict(ex2_fma_per16=3),
     dict(ex2_fma_per16=16),
     dict(lpt=False),
+    dict(lpt=True),
     dict(num_stages=3),
+    dict(persistent=True),
+    dict(tile_n=176),
+    dict(tile_n=176, persistent=True),
+    dict(tile_n=192),
 ]
 
 
@@ -143,17 +149,28 @@ FLAG_VARIANTS = [
 @pytest.mark.parametrize("causal", [False, True])
 def test_technique_switches_keep_results_exact(flags, causal):
     seed = _fresh_seed()
-    q, k, v = _inputs(2, 1500, 1500, 4, 2, 128, torch.bfloat16, seed)
-    cfg = kc.fwd_variant("bf16", 128, causal, **flags)
-    fn = kc.compile_variant(cfg)
+    q, k, v = _inputs(2, 2000, 2000, 8, 2, 128, torch.bfloat16, seed)
     out, lse = _poisoned(q)
-    fn(q, k, v, out, lse, 128 ** -0.5)
-    ref_out, ref_lse = torch_ref.forward(*(t.double() for t in (q, k, v)), causal, 128 ** -0.5)
-    pt_out, pt_lse = _lowp_reference(q, k, v, causal, 128 ** -0.5)
+    _check(q, k, v, causal, None, seed, out=out, lse=lse,
+           config=kc.fwd_variant("bf16", 128, causal, **flags))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_ctas_running_many_tiles_each(d, causal):
+    """7 CTAs for ~100 tiles: every CTA walks many tiles, reusing its Q/O buffers and carrying
+    pipeline phases and the ping-pong barriers across tiles."""
+    seed = _fresh_seed()
+    q, k, v = _inputs(3, 1111, 1111, 4, 2, d, torch.bfloat16, seed)
+    out, lse = _poisoned(q)
+    fn = kc.compile_variant(kc.fwd_variant("bf16", d, causal, persistent=True))
+    fn(q, k, v, out, lse, d ** -0.5, 7)
+    ref_out, ref_lse = torch_ref.forward(*(t.double() for t in (q, k, v)), causal, d ** -0.5)
+    pt_out, pt_lse = _lowp_reference(q, k, v, causal, d ** -0.5)
     for name, got, pt, ref in (("out", out, pt_out, ref_out), ("lse", lse, pt_lse, ref_lse)):
         err = (got.double() - ref).abs().max().item()
         bound = 2 * (pt.double() - ref).abs().max().item() + ATOL
-        assert err <= bound, f"{cfg.name} {name}: {err:.3e} > {bound:.3e} (seed={seed})"
+        assert err <= bound, f"{name}: {err:.3e} > {bound:.3e} (seed={seed})"
 
 
 def test_new_sequence_lengths_reuse_the_compiled_kernel():
