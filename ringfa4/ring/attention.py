@@ -34,7 +34,9 @@ def ring_forward(backend, q, k, v, causal, softmax_scale, group, rank, world, la
             if out is None:  # step 0, the local block, always covers every query row
                 out, lse = o.to(l.dtype), l
             else:
+                merging = timeline.begin(q.device)
                 merge_(out[:, step.q], lse[:, :, step.q], o, l)
+                timeline.end(merging, "fwd", i, "merge")
         timeline.end(started, "fwd", i, "compute")
         ring.wait(works)
         kv = targets[i % 2]

@@ -1,0 +1,135 @@
+"""The ring over NCCL on 2 GPUs matches one GPU's attention (out, lse, dq, dk, dv) in bf16.
+
+Run on the device machine (kind nvidia-h200-x2):
+    torchrun --nproc_per_node=2 -m pytest -m gpu -q tests/gpu/test_ring_nccl.py
+
+Both are measured against fp64 attention on the same fresh random inputs. "Within bf16 tolerance"
+is the rule of upstream FlashAttention's tests: the ring's error may be at most 2x the error of one
+GPU running the same backend on the whole sequence, plus 2x the bf16 rounding error at the
+reference's own magnitude (for lse, fp32: LSE_ATOL). The rounding term is what a ring adds: upstream
+kernels hand each step's dK/dV back in bf16 before the fp32 sum. Every rank checks its own rows and
+the verdict is shared, so a failure on one rank fails the test on all of them instead of leaving
+the other waiting in a collective.
+"""
+import datetime
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringfa4
+from ringfa4 import backends
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from reference import attention_fp64  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+LSE_ATOL = 1e-4
+POISON_BYTES = 2 << 30
+# (batch, total seq, heads, kv_heads, head_dim): MHA and GQA 4:1, both head dims the kernels build.
+SHAPES = [(2, 2048, 8, 8, 128), (1, 4096, 8, 2, 128), (2, 1024, 4, 1, 64)]
+
+
+@pytest.fixture(scope="module")
+def world():
+    if "LOCAL_RANK" not in os.environ:
+        pytest.skip("needs torchrun --nproc_per_node=2 (a process per GPU)")
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=5))
+    return dist.get_world_size()
+
+
+def _shared_seed():
+    seed = [int(torch.randint(0, 2**31 - 1, ())) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(seed, src=0)
+    return seed[0]
+
+
+def _poison_allocator():
+    """Hand the caching allocator one large NaN-filled block to carve the next tensors from, so an
+    output element that a kernel or the ring leaves unwritten shows up as NaN, not as stale data."""
+    torch.cuda.empty_cache()
+    torch.full((POISON_BYTES // 4,), float("nan"), dtype=torch.float32, device="cuda")
+
+
+def _agree(failures):
+    """Every rank's failures, on every rank."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, failures)
+    return [f"rank {r}: {msg}" for r, msgs in enumerate(gathered) for msg in msgs]
+
+
+def _skip_unless(backend, q, k, v, causal):
+    reason = backends.get(backend).unsupported_reason(q, k, v, causal, True)
+    reasons = _agree([] if reason is None else [reason])
+    if reasons:
+        pytest.skip(f"backend {backend!r}: {reasons[0]}")
+
+
+@pytest.mark.parametrize("backend", ["fa4", "cute", "torch"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-s{}-h{}-hk{}-d{}".format(*s))
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_two_gpu_ring_matches_one_gpu_attention(world, backend, shape, layout, causal):
+    b, seq, h, hk, d = shape
+    gen = torch.Generator(device="cuda").manual_seed(_shared_seed())
+    q, k, v, dout = (
+        torch.randn(b, seq, n, d, device="cuda", generator=gen).to(torch.bfloat16) for n in (h, hk, hk, h)
+    )
+    _skip_unless(backend, q, k, v, causal)
+
+    leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
+    out64, lse64 = attention_fp64(*leaves64, causal=causal)
+    grads64 = torch.autograd.grad(out64, leaves64, dout.double())
+    ref = dict(out=out64, lse=lse64, **{f"d{n}": g for n, g in zip("qkv", grads64)})
+    del leaves64, out64, lse64, grads64
+
+    _poison_allocator()
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    out1, lse1 = ringfa4.attention(*full, causal=causal, backend=backend)
+    single = dict(out=out1, lse=lse1, **{f"d{n}": g for n, g in zip("qkv", torch.autograd.grad(out1, full, dout))})
+
+    _poison_allocator()
+    local = [ringfa4.shard(t, layout=layout).requires_grad_() for t in (q, k, v)]
+    out, lse = ringfa4.ring_attention(*local, causal=causal, layout=layout, backend=backend, return_lse=True)
+    grads = torch.autograd.grad(out, local, ringfa4.shard(dout, layout=layout))
+    ring = dict(out=out, lse=lse, **{f"d{n}": g for n, g in zip("qkv", grads)})
+
+    failures = []
+    for name, got in ring.items():
+        dim = 2 if name == "lse" else 1
+        want = ringfa4.shard(ref[name], dim=dim, layout=layout)
+        one = ringfa4.shard(single[name], dim=dim, layout=layout)
+        if got.shape != want.shape or got.dtype != one.dtype:
+            failures.append(f"{name}: {got.dtype} {tuple(got.shape)}, expected {one.dtype} {tuple(want.shape)}")
+            continue
+        if not torch.isfinite(got).all():
+            failures.append(f"{name}: {int((~torch.isfinite(got)).sum())} non-finite values")
+            continue
+        err = (got.double() - want).abs().max().item()
+        atol = LSE_ATOL if name == "lse" else 2 * (want.to(got.dtype).double() - want).abs().max().item()
+        bound = 2 * (one.double() - want).abs().max().item() + atol
+        if err > bound:
+            failures.append(f"{name}: error vs fp64 {err:.3g} > {bound:.3g} (2x one GPU's + {atol:.3g})")
+    failures = _agree(failures)
+    assert not failures, f"{backend} {layout} causal={causal} {shape}: " + "; ".join(failures)
+
+
+def test_deterministic_ring_gradients_are_bitwise_repeatable(world):
+    gen = torch.Generator(device="cuda").manual_seed(_shared_seed())
+    q, k, v, dout = (torch.randn(1, 1024, n, 128, device="cuda", generator=gen).to(torch.bfloat16) for n in (8, 2, 2, 8))
+    _skip_unless("fa4", q, k, v, True)
+    local = [ringfa4.shard(t).requires_grad_() for t in (q, k, v)]
+    runs = []
+    for _ in range(2):
+        out = ringfa4.ring_attention(*local, causal=True, backend="fa4", deterministic=True)
+        runs.append(torch.autograd.grad(out, local, ringfa4.shard(dout)))
+    failures = _agree([f"d{n} differs between runs" for n, a, b in zip("qkv", *runs) if not torch.equal(a, b)])
+    assert not failures, "; ".join(failures)
