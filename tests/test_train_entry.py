@@ -1,0 +1,29 @@
+"""`python -m ringfa4.train` starts its own two gloo workers on a CPU machine and trains."""
+import json
+import subprocess
+import sys
+
+from train_configs import SMALL
+
+
+def run_entry(tmp_path, *overrides):
+    return subprocess.run([sys.executable, "-m", "ringfa4.train", *SMALL, f"hydra.run.dir={tmp_path}", *overrides],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_entry_trains_a_few_steps_on_two_gloo_workers_with_falling_loss(tmp_path):
+    proc = run_entry(tmp_path, "train.steps=8", "train.lr=1e-2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 rank(s) on cpu, dp_shard=1 x cp=2 (zigzag)" in proc.stdout
+    assert "step 8/8" in proc.stdout and "tok/s" in proc.stdout
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5, [r["loss"] for r in records]
+    assert all(r["tokens_per_s"] > 0 and r["peak_mem_gib"] > 0 for r in records)
+
+
+def test_entry_names_a_bad_setting_before_starting_workers(tmp_path):
+    proc = run_entry(tmp_path, "train.seq_len=66")
+    assert proc.returncode != 0
+    assert "bad configuration: train.seq_len=66 must be a multiple of 4" in proc.stderr
+    assert "rank(s) on" not in proc.stdout
