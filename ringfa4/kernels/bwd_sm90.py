@@ -240,8 +240,8 @@ class AttentionBackwardSm90:
         self.bytes_q = self.tile_m * tile_bytes + self.tile_m * 4
         self.bytes_kv = 2 * self.tile_n * tile_bytes
 
-        # kv head fastest: for causal the long low KV blocks of every head start first (LPT).
-        grid = (cute.size(mK.shape[2]), cute.ceil_div(cute.size(mK.shape[0]), self.tile_n),
+        num_kv_heads = cute.size(mK.shape[2])
+        grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), num_kv_heads,
                 cute.size(mK.shape[3]))
         self.kernel(
             tQ, tK, tV, tdO, tLSE, tDelta, tdQ, mdK, mdV, mSem,
@@ -266,7 +266,7 @@ class AttentionBackwardSm90:
                mma_dq_wg: cute.TiledMma, Storage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        kv_head, n_block, batch = cute.arch.block_idx()
+        n_block, kv_head, batch = cute.arch.block_idx()
         num_n_blocks = cute.ceil_div(tK.shape[0], self.tile_n)
         if const_expr(self.causal and self.deterministic):
             # Shortest KV blocks first: with the reversed reduction order of _store_dq, the
@@ -312,11 +312,6 @@ class AttentionBackwardSm90:
         if const_expr(self.causal):
             m_block_min = n_block * self.tile_n // self.tile_m
         steps_per_head = num_m_blocks - m_block_min
-        # Atomic non-causal mode: start at a query tile that depends on the KV block (wrapping
-        # around), so CTAs running side by side add into different dQ tiles.
-        m_first = m_block_min
-        if const_expr(not self.causal and not self.deterministic):
-            m_first = n_block * self.tile_n // self.tile_m % num_m_blocks
         # Every query head of this kv head's group (GQA) adds into the same dK, dV registers.
         group = tQ.shape[2] // tK.shape[2]
         num_steps = steps_per_head * group
@@ -326,32 +321,22 @@ class AttentionBackwardSm90:
             if warp_idx == 0:
                 self._load(tQ, tK, tV, tdO, tLSE, tDelta, sQ, sK, sV, sdO, sLSE, sDelta,
                            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, pipe_q, pipe_do,
-                           mbar_kv, n_block, kv_head, kv_head * group, batch, m_first,
-                           num_m_blocks, steps_per_head, num_steps)
+                           mbar_kv, n_block, kv_head, kv_head * group, batch, m_block_min,
+                           steps_per_head, num_steps)
             if warp_idx == 1:
                 self._store_dq(tdQ, sdQ, tma_dq, mSem, n_block, num_n_blocks,
-                               kv_head * group, batch, m_first, num_m_blocks, steps_per_head,
-                               num_steps)
+                               kv_head * group, batch, m_block_min, steps_per_head, num_steps)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._mma(sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ,
                       mdK, mdV, pipe_q, pipe_do, mbar_kv, mma_sdp, mma_dkv, mma_dq, mma_dq_wg,
                       tidx - _WG_THREADS, softmax_scale, scale_log2, seqlen_k, n_block,
-                      kv_head, batch, m_first, num_m_blocks, steps_per_head, num_steps)
-
-    @cute.jit
-    def _step(self, step, m_first, num_m_blocks, steps_per_head):
-        """(query head within the kv head's group, query tile) of a CTA's step-th step."""
-        g = step // steps_per_head
-        m_block = m_first + step - g * steps_per_head
-        if m_block >= num_m_blocks:
-            m_block = m_block - num_m_blocks
-        return g, m_block
+                      kv_head, batch, m_block_min, steps_per_head, num_steps)
 
     @cute.jit
     def _load(self, tQ, tK, tV, tdO, tLSE, tDelta, sQ, sK, sV, sdO, sLSE, sDelta,
               tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, pipe_q, pipe_do, mbar_kv,
-              n_block, kv_head, head0, batch, m_first, num_m_blocks, steps_per_head, num_steps):
+              n_block, kv_head, head0, batch, m_block_min, steps_per_head, num_steps):
         """head0: first query head of kv_head's group."""
         one = cute.make_layout(1)
         d = self.head_dim
@@ -369,7 +354,8 @@ class AttentionBackwardSm90:
         state = cutlass.pipeline.make_pipeline_state(
             cutlass.pipeline.PipelineUserType.Producer, self.stages)
         for step in cutlass.range(num_steps, unroll=1):
-            g, m_block = self._step(step, m_first, num_m_blocks, steps_per_head)
+            g = step // steps_per_head
+            m_block = m_block_min + step - g * steps_per_head
             head = head0 + g
             gQ = cute.local_tile(tQ[None, None, head, batch], (self.tile_m, d), (None, 0))
             gdO = cute.local_tile(tdO[None, None, head, batch], (self.tile_m, d), (None, 0))
@@ -397,12 +383,13 @@ class AttentionBackwardSm90:
 
     @cute.jit
     def _store_dq(self, tdQ, sdQ, tma_dq, mSem, n_block, num_n_blocks, head0, batch,
-                  m_first, num_m_blocks, steps_per_head, num_steps):
+                  m_block_min, steps_per_head, num_steps):
         lane = cute.arch.lane_idx()
         one = cute.make_layout(1)
         blocks_per_tile = self.tile_m // self.dq_rows
         for step in cutlass.range(num_steps, unroll=1):
-            g, m_block = self._step(step, m_first, num_m_blocks, steps_per_head)
+            g = step // steps_per_head
+            m_block = m_block_min + step - g * steps_per_head
             head = head0 + g
             gdQ = cute.local_tile(tdQ[None, None, head, batch], (self.dq_rows, self.dq_cols),
                                   (None, None))
@@ -446,8 +433,7 @@ class AttentionBackwardSm90:
     def _mma(self, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, mdK, mdV,
              pipe_q, pipe_do, mbar_kv, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma,
              mma_dq: cute.TiledMma, mma_dq_wg: cute.TiledMma, tidx, softmax_scale, scale_log2,
-             seqlen_k, n_block, kv_head, batch, m_first, num_m_blocks, steps_per_head,
-             num_steps):
+             seqlen_k, n_block, kv_head, batch, m_block_min, steps_per_head, num_steps):
         d = self.head_dim
         wg = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
         wg_sdp = mma_sdp.get_slice(wg * _WG_THREADS)
@@ -493,7 +479,8 @@ class AttentionBackwardSm90:
         state = cutlass.pipeline.make_pipeline_state(
             cutlass.pipeline.PipelineUserType.Consumer, self.stages)
         for step in cutlass.range(num_steps, unroll=1):
-            g, m_block = self._step(step, m_first, num_m_blocks, steps_per_head)
+            g = step // steps_per_head
+            m_block = m_block_min + step - g * steps_per_head
             stage = state.index
             m_base = m_block * self.tile_m
 
