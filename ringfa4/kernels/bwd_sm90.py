@@ -12,7 +12,9 @@ Warp roles (384 threads): warp 0 loads Q, dO, lse, delta through a two-stage TMA
 warp 1 reduces each dQ tile into global memory (cp.reduce.async.bulk.tensor add); warp groups
 1 and 2 each own 64 rows of the K/V block for S, dP, dV and dK, and half of the dQ tile. S and
 dP are computed transposed so that P^T and dS^T stay in registers as the A operand of the dV
-and dK products; only dS goes through shared memory (for dQ).
+and dK products; only dS goes through shared memory (for dQ). dK and dV stay in registers
+until the CTA is done and are then written (or added, into fp32 buffers) once; no other CTA
+touches them. delta and the lse in log2 units come from bwd_preprocess.py.
 
 Deterministic mode orders the dQ reductions: the reduction of KV block j into a dQ tile waits
 on a per-tile counter until the blocks before it in a fixed order have landed (ascending, or
@@ -30,7 +32,7 @@ import cutlass.pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
 
 LOG2_E = math.log2(math.e)
 
@@ -114,8 +116,9 @@ def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.
 class AttentionBackwardSm90:
     """Compile-time configuration of the backward kernel; call it under ``cute.compile``.
 
-    dtype: Float16 or BFloat16 (q, k, v, dout). head_dim: 64 or 128. dkv_dtype: dtype of dk/dv; Float32 means "add into", the
-    input dtype means "overwrite". dq is always an fp32 buffer that the kernel adds into.
+    dtype: Float16 or BFloat16 (q, k, v, dout). head_dim: 64 or 128. dkv_dtype: dtype of
+    dk/dv; Float32 means "add into", the input dtype means "overwrite". dq is always an fp32
+    buffer that the kernel adds into.
     """
 
     num_threads = (_NUM_MMA_WG + 1) * _WG_THREADS
@@ -155,7 +158,7 @@ class AttentionBackwardSm90:
         self.sdQ_layout = _row_major_smem(Float32, self.dq_rows, self.dq_cols, _NUM_MMA_WG)
 
     def _mmas(self):
-        K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         wg_rows = (_NUM_MMA_WG, 1, 1)
         # S^T = K Q^T and dP^T = V dO^T: each warp group owns 64 key rows.
         self.mma_sdp = sm90_utils.make_trivial_tiled_mma(
@@ -277,7 +280,7 @@ class AttentionBackwardSm90:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dq):
                 cpasync.prefetch_descriptor(atom)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(Storage)
         mbar_kv = st.mbar_kv.data_ptr()
         if warp_idx == 0:
