@@ -29,8 +29,9 @@ pytestmark = pytest.mark.gpu
 
 LSE_ATOL = 1e-4
 POISON_BYTES = 2 << 30
-# (batch, total seq, heads, kv_heads, head_dim): MHA and GQA 4:1, both head dims the kernels build.
-SHAPES = [(2, 2048, 8, 8, 128), (1, 4096, 8, 2, 128), (2, 1024, 4, 1, 64)]
+# (batch, total seq, heads, kv_heads, head_dim): MHA and GQA 4:1 at the head dim bench/ring.py times,
+# so the device run compiles each kernel variant once for both.
+SHAPES = [(2, 2048, 8, 8, 128), (1, 4096, 8, 2, 128)]
 
 
 @pytest.fixture(scope="module")
@@ -121,15 +122,3 @@ def test_two_gpu_ring_matches_one_gpu_attention(world, backend, shape, layout, c
     failures = _agree(failures)
     assert not failures, f"{backend} {layout} causal={causal} {shape}: " + "; ".join(failures)
 
-
-def test_deterministic_ring_gradients_are_bitwise_repeatable(world):
-    gen = torch.Generator(device="cuda").manual_seed(_shared_seed())
-    q, k, v, dout = (torch.randn(1, 1024, n, 128, device="cuda", generator=gen).to(torch.bfloat16) for n in (8, 2, 2, 8))
-    _skip_unless("fa4", q, k, v, True)
-    local = [ringfa4.shard(t).requires_grad_() for t in (q, k, v)]
-    runs = []
-    for _ in range(2):
-        out = ringfa4.ring_attention(*local, causal=True, backend="fa4", deterministic=True)
-        runs.append(torch.autograd.grad(out, local, ringfa4.shard(dout)))
-    failures = _agree([f"d{n} differs between runs" for n, a, b in zip("qkv", *runs) if not torch.equal(a, b)])
-    assert not failures, "; ".join(failures)

@@ -1,0 +1,284 @@
+"""Ring attention forward+backward on W GPUs against (a) the same kernels on one GPU at the same
+total length and (b) PyTorch's context_parallel ring over cuDNN SDPA, on the same inputs, in one run.
+
+    torchrun --nproc_per_node=2 bench/ring.py --commit $(git rev-parse --short HEAD)
+    torchrun --nproc_per_node=2 bench/ring.py --smoke      # CPU (gloo), torch backend, tiny shapes
+
+Batch 1, hdim 128, bf16; heads/kv_heads 32/32 and 32/8; total causal sequence 16k..128k plus
+non-causal 32k. Times are per fwd+bwd call, CUDA events around a fixed number of calls after
+warm-up, the slowest rank's. FLOPs 3.5 * 4*s*s*h*d (halved for causal): backward = 2.5x forward.
+efficiency = single_ms / (W * ringfa4_ms). PyTorch's ring gets the same q, k, v with kv heads
+repeated to the query heads (its SDPA path takes no GQA; torchtitan does the same), default
+rotate method and load balancer (disabled for non-causal, which it refuses otherwise).
+One more ring call per row runs under ringfa4.ring.timeline: per-step compute, merge and transfer
+times from CUDA events. Before timing, the ring's output is compared with the single-GPU one, so
+nothing wrong is timed. Rows go to bench/results/ring.json; a markdown table is printed last.
+"""
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import ringfa4  # noqa: E402
+from ringfa4 import backends  # noqa: E402
+from ringfa4.ring import merge, timeline  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ring.json")
+# The ring's bf16 output vs one GPU's: two roundings of values |O| < ~4 apart, never more.
+MAX_DIFF = 3e-2
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backends", default="fa4,cute", help="comma list; a backend that cannot run is reported and skipped")
+    p.add_argument("--seqs", default="16384,32768,65536,131072", help="total causal sequence lengths")
+    p.add_argument("--full-seqs", default="32768", help="total non-causal sequence lengths")
+    p.add_argument("--heads", default="32:32,32:8", help="heads:kv_heads pairs")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--commit", default=None, help="commit of the measured tree (default: git rev-parse)")
+    p.add_argument("--out", default=None, help=f"JSON rows (default {RESULTS}; none in --smoke mode)")
+    p.add_argument("--smoke", action="store_true", help="CPU/gloo, backend torch, float32, tiny shapes")
+    args = p.parse_args()
+    if args.smoke:
+        args.backends, args.seqs, args.full_seqs, args.heads, args.head_dim = "torch", "256", "256", "4:4,4:2", 32
+    elif args.out is None:
+        args.out = RESULTS
+    return args
+
+
+def fwd_bwd_flops(seq, heads, head_dim, causal):
+    return 3.5 * 4 * seq * seq * heads * head_dim / (2 if causal else 1)
+
+
+class Timer:
+    """ms per call of fn (slowest rank), CUDA events on GPU, perf_counter on CPU."""
+
+    def __init__(self, device, warmup, iters):
+        self.device, self.warmup, self.iters = device, warmup, iters
+
+    def __call__(self, fn):
+        for _ in range(self.warmup):
+            fn()
+        self._sync()
+        dist.barrier()
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(self.iters):
+                fn()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end) / self.iters
+        else:
+            t0 = time.perf_counter()
+            for _ in range(self.iters):
+                fn()
+            ms = (time.perf_counter() - t0) * 1e3 / self.iters
+        worst = torch.tensor([ms], dtype=torch.float64, device=self.device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        return worst.item()
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def fwd_bwd(attn, leaves, dout):
+    def run():
+        out = attn(*leaves)
+        torch.autograd.grad(out, leaves, dout)
+        return out
+    return run
+
+
+def inputs(seq, heads, kv_heads, head_dim, dtype, device, seed):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(1, seq, n, head_dim, device=device, generator=gen, dtype=torch.float32).to(dtype)
+            for n in (heads, kv_heads, kv_heads, heads)]
+
+
+def summarize(spans):
+    """{phase_kind: [ms per step]} from a timeline (rank-local)."""
+    out = {}
+    for phase, _step, kind, ms in spans:
+        out.setdefault(f"{phase}_{kind}", []).append(round(ms, 4))
+    return out
+
+
+def torch_cp(q, k, v, dout, causal, timer, mesh):
+    """ms per fwd+bwd of PyTorch's context_parallel over cuDNN SDPA, or the error it raised."""
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import _cp_options
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = q.shape[2] // k.shape[2]
+    # (b, s, h, d) -> (b, h, s, d), kv heads repeated for SDPA; fresh buffers: CP shards them in place.
+    bufs = [t.transpose(1, 2).contiguous() for t in (q, k.repeat_interleave(group, 2), v.repeat_interleave(group, 2), dout)]
+    old = _cp_options.enable_load_balance
+    _cp_options.enable_load_balance = causal
+    try:
+        with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 4, no_restore_buffers=set(bufs)):
+            leaves = [t.detach().requires_grad_() for t in bufs[:3]]
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                sdpa = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+                return timer(fwd_bwd(sdpa, leaves, bufs[3])), str(_cp_options.rotate_method.name)
+    finally:
+        _cp_options.enable_load_balance = old
+
+
+def commit(args):
+    if args.commit:
+        return args.commit
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def merge_microbench(timer, local, heads, head_dim, device):
+    """ms of one merge of a half-block partial into the running (out, lse), fused vs eager."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    out = torch.randn(1, local, heads, head_dim, device=device, generator=gen)
+    lse = torch.randn(1, heads, local, device=device, generator=gen)
+    part = torch.randn(1, local // 2, heads, head_dim, device=device, generator=gen).to(torch.bfloat16)
+    lse_part = torch.randn(1, heads, local // 2, device=device, generator=gen)
+    half = local // 2
+    view = (out[:, half:], lse[:, :, half:], part, lse_part)
+    return timer(lambda: merge.merge_(*view)), timer(lambda: merge._merge_into(*view))
+
+
+def main():
+    args = parse_args()
+    if args.smoke:
+        dist.init_process_group("gloo")
+        device, dtype = torch.device("cpu"), torch.float32
+        torch.set_num_threads(1)
+    else:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        dtype = torch.bfloat16
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = None
+    if device.type == "cuda":
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cuda", (world,))
+    timer = Timer(device, args.warmup, args.iters)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (gloo smoke)",
+                commit=commit(args), date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                world=world, torch=torch.__version__)
+    say(f"# bench/ring.py {meta}", flush=True)
+
+    heads = [tuple(int(x) for x in pair.split(":")) for pair in args.heads.split(",")]
+    configs = [(int(s), True) for s in args.seqs.split(",")] + [(int(s), False) for s in args.full_seqs.split(",")]
+    rows = []
+    for h, hk in heads:
+        for seq, causal in configs:
+            d = args.head_dim
+            q, k, v, dout = inputs(seq, h, hk, d, dtype, device, seed=1000 + seq + h + hk)
+            flops = fwd_bwd_flops(seq, h, d, causal)
+            if device.type == "cuda":
+                try:
+                    cp_ms, cp_rotate = torch_cp(q, k, v, dout, causal, timer, mesh)
+                    cp_error = None
+                except Exception as e:  # reported in the row and the table, never hidden
+                    cp_ms, cp_rotate, cp_error = None, None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    say(f"torch context_parallel failed: {cp_error}", flush=True)
+            else:
+                cp_ms, cp_rotate, cp_error = None, None, "CUDA only (cuDNN SDPA)"
+            for name in args.backends.split(","):
+                reason = backends.get(name).unsupported_reason(q, k, v, causal, True)
+                if reason is not None:
+                    say(f"backend {name}: skipped, {reason}", flush=True)
+                    continue
+                full = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+                local = [ringfa4.shard(t).detach().requires_grad_() for t in (q, k, v)]
+                dout_local = ringfa4.shard(dout)
+
+                def single_attn(q_, k_, v_):
+                    return ringfa4.attention(q_, k_, v_, causal=causal, backend=name)[0]
+
+                def ring_attn(q_, k_, v_):
+                    return ringfa4.ring_attention(q_, k_, v_, causal=causal, backend=name)
+
+                single = fwd_bwd(single_attn, full, dout)
+                ring = fwd_bwd(ring_attn, local, dout_local)
+                diff = (ring().float() - ringfa4.shard(single()).float()).abs().max()
+                dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+                if not diff.item() < MAX_DIFF:
+                    raise RuntimeError(f"ring output differs from one GPU's by {diff.item():.3g} ({name} seq={seq} causal={causal})")
+                single_ms = timer(single)
+                ring_ms = timer(ring)
+                with timeline.recording() as tl:
+                    ring()
+                steps = summarize(tl.milliseconds()) if device.type == "cuda" else {}
+                row = dict(meta, seq=seq, causal=causal, heads=h, kv_heads=hk, head_dim=d, dtype=str(dtype).split(".")[-1],
+                           backend=name, ringfa4_ms=round(ring_ms, 3), single_ms=round(single_ms, 3),
+                           efficiency=round(single_ms / (world * ring_ms), 4),
+                           tflops_per_gpu=round(flops / world / (ring_ms * 1e-3) / 1e12, 1),
+                           single_tflops=round(flops / (single_ms * 1e-3) / 1e12, 1),
+                           torch_cp_ms=None if cp_ms is None else round(cp_ms, 3),
+                           torch_cp_tflops_per_gpu=None if cp_ms is None else round(flops / world / (cp_ms * 1e-3) / 1e12, 1),
+                           torch_cp_rotate=cp_rotate, torch_cp_error=cp_error,
+                           max_abs_diff_vs_single=float(f"{diff.item():.3g}"),
+                           kv_bytes_per_step=2 * (seq // world) * hk * d * q.element_size(),
+                           step_ms=steps)
+                if device.type == "cuda" and seq // world == 16384 and causal:
+                    fused, eager = merge_microbench(timer, seq // world, h, d, device)
+                    row.update(merge_fused_ms=round(fused, 4), merge_eager_ms=round(eager, 4))
+                rows.append(row)
+                say(json.dumps(row), flush=True)
+                del full, local, single, ring
+            del q, k, v, dout
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    if rank == 0:
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+        print(table(rows))
+    dist.destroy_process_group()
+
+
+def _tokens(n):
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def _mean(values):
+    return sum(values) / len(values) if values else float("nan")
+
+
+def table(rows):
+    """Markdown: timings, efficiency, PyTorch's ring, and the per-step timeline (means over steps)."""
+    lines = ["| backend | seq | causal | heads/kv | ringfa4 ms | 1-GPU ms | efficiency | TFLOP/s/GPU | torch CP TFLOP/s/GPU | vs torch CP "
+             "| fwd step: compute / kv / merge ms | bwd step: compute / kv / dkv / last dkv wait ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cp, s = r["torch_cp_tflops_per_gpu"], r["step_ms"]
+        cp_cells = ("n/a", "n/a") if cp is None else (f"{cp:.0f}", f"{r['tflops_per_gpu'] / cp:.2f}x")
+        fwd = " / ".join(f"{_mean(s.get(k, [])):.2f}" for k in ("fwd_compute", "fwd_kv", "fwd_merge"))
+        bwd = " / ".join(f"{_mean(s.get(k, [])):.2f}" for k in ("bwd_compute", "bwd_kv", "bwd_dkv", "bwd_wait_dkv"))
+        lines.append(
+            f"| {r['backend']} | {_tokens(r['seq'])} | {'yes' if r['causal'] else 'no'} | {r['heads']}/{r['kv_heads']} "
+            f"| {r['ringfa4_ms']:.2f} | {r['single_ms']:.2f} | {r['efficiency']:.3f} | {r['tflops_per_gpu']:.0f} "
+            f"| {cp_cells[0]} | {cp_cells[1]} | {fwd} | {bwd} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
