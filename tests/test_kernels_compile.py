@@ -1,6 +1,11 @@
 """The CuTe kernels compile for Hopper on a machine without a GPU, and the cute backend refuses
-what it cannot run with a reason. Compiling all shipped variants takes ~40 s on 2 cores."""
+what it cannot run with a reason.
+
+All 40 shipped variants take ~3 min to compile on 2 cores, so CI compiles a representative
+subset (SUBSET, ~1 min): every forward variant and one backward variant per (head_dim, causal)
+in bf16. `python -m ringfa4.kernels --dump DIR` compiles them all."""
 import os
+import re
 import subprocess
 import sys
 
@@ -10,18 +15,25 @@ import torch
 import ringfa4.backends.cute as cute_backend
 
 
-def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_every_shipped_variant(tmp_path):
+SUBSET = r"^fwd_sm90_|^bwd_sm90_bf16_d(64|128)_(full|causal)_atomic_dkvstore$"
+
+
+def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_shipped_variants(tmp_path):
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
     run = subprocess.run(
-        [sys.executable, "-m", "ringfa4.kernels", "--arch", "sm_90a", "--dump", str(tmp_path)],
+        [sys.executable, "-m", "ringfa4.kernels", "--arch", "sm_90a", "--dump", str(tmp_path),
+         "--only", SUBSET],
         capture_output=True, text=True, timeout=900, env=env,
     )
     assert run.returncode == 0, run.stdout + run.stderr
     from ringfa4.kernels.compile import VARIANTS
 
+    chosen = [v for v in VARIANTS if re.search(SUBSET, v.name)]
+    assert sum(v.name.startswith("fwd_") for v in chosen) == 8
+    assert sum(v.name.startswith("bwd_") for v in chosen) >= 1
     lines = [line for line in run.stdout.splitlines() if line.strip()]
-    assert len(lines) == len(VARIANTS)
-    for variant in VARIANTS:
+    assert len(lines) == len(chosen)
+    for variant in chosen:
         ptx = (tmp_path / f"{variant.name}.ptx").read_text()
         assert ".target sm_90a" in ptx, variant.name
         assert "wgmma.mma_async" in ptx, variant.name

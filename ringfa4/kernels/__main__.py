@@ -1,12 +1,13 @@
 """Compile every shipped kernel variant, no GPU needed:
 
-    python -m ringfa4.kernels --arch sm_90a --dump DIR [--only SUBSTRING]
+    python -m ringfa4.kernels --arch sm_90a --dump DIR [--only REGEX]
 
 writes DIR/<variant>.ptx and prints one line per variant: name, compile seconds, and how many
 wgmma / TMA instructions its PTX holds.
 """
 import argparse
 import os
+import re
 import sys
 import tempfile
 
@@ -15,8 +16,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m ringfa4.kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--arch", default="sm_90a", choices=["sm_90a"], help="target architecture")
     parser.add_argument("--dump", required=True, metavar="DIR", help="folder for one .ptx per variant")
-    parser.add_argument("--only", default="", metavar="SUBSTRING",
-                        help="compile only variants whose name contains this")
+    parser.add_argument("--only", default="", metavar="REGEX",
+                        help="compile only variants whose name matches this (re.search)")
     args = parser.parse_args(argv)
     # Must be set before cutlass is imported: without a GPU the DSL would target sm_100a.
     os.environ["CUTE_DSL_ARCH"] = args.arch
@@ -24,7 +25,7 @@ def main(argv=None):
     from ringfa4.kernels import compile as kc
 
     os.makedirs(args.dump, exist_ok=True)
-    variants = [v for v in kc.VARIANTS if args.only in v.name]
+    variants = [v for v in kc.VARIANTS if re.search(args.only, v.name)]
     if not variants:
         parser.error(f"no shipped variant matches --only {args.only!r}")
     with tempfile.TemporaryDirectory() as scratch:
