@@ -13,6 +13,7 @@ from ringfa4.train import launch
 from ringfa4.train.trainer import loss_share
 
 SEQ_LEN, BATCH, SEED = 32, 4, 1234
+LOSS_CHUNK = 5  # several loss chunks per local shard, one of them partial
 
 
 def make_batch(vocab_size):
@@ -22,7 +23,7 @@ def make_batch(vocab_size):
 
 
 def single_process_step(args):
-    model = Transformer(args).to(torch.float64)
+    model = Transformer(args, loss_chunk=LOSS_CHUNK).to(torch.float64)
     model.init_weights(SEED)
     tokens, labels, positions = make_batch(args.vocab_size)
     loss = loss_share(model, tokens, labels, positions, BATCH * SEQ_LEN)
@@ -36,7 +37,7 @@ def parallel_step(args, dp_shard, cp, layout, recompute, rank, world, local_rank
     try:
         mesh = build_mesh("cpu", dp_shard, cp)
         with torch.device("meta"):
-            model = Transformer(args).to(torch.float64)
+            model = Transformer(args, loss_chunk=LOSS_CHUNK).to(torch.float64)
         parallelize(model, mesh, layout=layout, backend="torch", activation_checkpointing=recompute)
         model.to_empty(device="cpu")
         model.init_weights(SEED)

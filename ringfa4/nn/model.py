@@ -135,27 +135,45 @@ class Block(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Transformer(nn.Module):
-    """tokens (b, s) and their global positions (b, s) or (s,) -> logits (b, s, vocab)."""
+def _loss_sum(h, weight, labels):
+    logits = F.linear(h, weight)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
 
-    def __init__(self, args):
+
+class Transformer(nn.Module):
+    """tokens (b, s) and their global positions (b, s) or (s,) -> logits (b, s, vocab), or with
+    labels (b, s) the sum of their next-token losses (in fp32, or fp64 for an fp64 model).
+
+    The loss is computed ``loss_chunk`` tokens at a time and each chunk's logits are recomputed in
+    backward: at long context the full logits (tokens x vocab, in fp32 for the softmax) would
+    otherwise outweigh every other activation.
+    """
+
+    def __init__(self, args, loss_chunk=4096):
         super().__init__()
         args.check()
         self.args = args
+        self.loss_chunk = loss_chunk
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
 
-    def forward(self, tokens, positions):
+    def forward(self, tokens, positions, labels=None):
         cos, sin = rope_angles(positions, self.args.head_dim, self.args.rope_theta)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin)
         h = self.norm(h)
-        if self.output is None:
-            return F.linear(h, self.tok_embeddings.weight)
-        return self.output(h)
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        if labels is None:
+            return F.linear(h, weight)
+        total = h.new_zeros((), dtype=torch.promote_types(h.dtype, torch.float32))
+        for start in range(0, h.shape[1], self.loss_chunk):
+            chunk = slice(start, start + self.loss_chunk)
+            total = total + checkpoint(_loss_sum, h[:, chunk], weight, labels[:, chunk], use_reentrant=False)
+        return total
 
     def attention_cores(self):
         return [layer.attention.core for layer in self.layers]
@@ -175,7 +193,9 @@ class Transformer(nn.Module):
                 full = torch.ones(p.shape, device=p.device, dtype=p.dtype)
             else:
                 if leaf == "tok_embeddings":
-                    std = args.dim ** -0.5 if args.tie_embeddings else 1.0
+                    # Tied: at init the residual stream is the normalised embedding itself, so a
+                    # token's logit for itself is about dim * std; 1/dim keeps it near 1.
+                    std = 1.0 / args.dim if args.tie_embeddings else 1.0
                 elif leaf == "output":
                     std = args.dim ** -0.5
                 elif leaf in ("wo", "w2"):

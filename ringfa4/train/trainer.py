@@ -7,7 +7,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ringfa4.nn import Transformer, build_mesh, parallelize, shard_sequence
 from ringfa4.nn.parallel import CP, DP_SHARD
@@ -36,8 +35,7 @@ def loss_share(model, tokens, labels, positions, global_tokens):
     """This rank's share of the mean next-token loss over the global batch: its token-loss sum
     divided by the token count of the whole global batch. Shares add up to the loss over ranks,
     and so do their gradients (FSDP sums them, see parallelize)."""
-    logits = model(tokens, positions)
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / global_tokens
+    return model(tokens, positions, labels) / global_tokens
 
 
 def make_batch(sampler, position, settings, mesh, seq_len, device):

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One node, N GPUs (default: all of them). Hydra overrides pass through:
+#
+#   bash launch/torchrun.sh model=llama3-1b data=synthetic parallel.cp=8 train.seq_len=262144 \
+#        train.global_batch=1 train.activation_checkpointing=true
+#
+# Sizing cp: each rank holds seq_len / cp tokens, and the ring hides its K/V transfer behind
+# attention only while that chunk is long enough. `python -m ringfa4.plan` prints, for a topology
+# preset (e.g. one 8-GPU NVLink node) and the model's heads/kv_heads/head_dim, the smallest chunk
+# that hides the transfer and the expected efficiency per cp: take the smallest cp that fits the
+# activations in memory and keeps seq_len / cp above that chunk; the remaining GPUs become
+# data-parallel ranks (parallel.dp_shard=-1). seq_len must be a multiple of 2 * cp (zigzag layout).
+set -euo pipefail
+
+NPROC=${NPROC:-$(nvidia-smi --list-gpus | wc -l)}
+RUN=${RUN:-ringfa4-$(date +%Y%m%d-%H%M%S)}
+
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+# Long sequences allocate activations of many sizes; expandable segments keep fragmentation down.
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+# A hung collective (e.g. one rank failed a check) aborts the job instead of waiting forever.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+
+# Every rank runs Hydra: hydra.run.dir gives them one output folder, not one per clock second.
+exec torchrun --standalone --nproc_per_node="$NPROC" -m ringfa4.train \
+    hydra.run.dir="outputs/$RUN" "$@"
