@@ -23,7 +23,6 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -34,10 +33,10 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from ringfa4 import backends  # noqa: E402
 from ringfa4.nn import ModelArgs, Transformer, build_mesh, parallelize, shard_sequence  # noqa: E402
 from ringfa4.nn.parallel import CP  # noqa: E402
 from ringfa4.train import data, launch, metrics  # noqa: E402
+from ringfa4.train.config import Settings, check_backend  # noqa: E402
 from ringfa4.train.trainer import loss_share  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent.parent / "ringfa4" / "configs" / "model"
@@ -63,13 +62,6 @@ def model_args(name):
     cfg = OmegaConf.to_container(OmegaConf.load(CONFIGS / f"{name}.yaml"))
     cfg.pop("name")
     return ModelArgs(**cfg)
-
-
-def auto_backend(args, device, dtype):
-    """The backend "auto" resolves to for this model's attention with gradients."""
-    q = torch.empty(1, 128, args.n_heads, args.head_dim, device=device, dtype=dtype, requires_grad=True)
-    kv = torch.empty(1, 128, args.n_kv_heads, args.head_dim, device=device, dtype=dtype, requires_grad=True)
-    return next(n for n in backends.AUTO_ORDER if backends.get(n).unsupported_reason(q, kv, kv, True, True) is None)
 
 
 def build(impl, args, mesh, device, param_dtype, backend, recompute):
@@ -144,9 +136,8 @@ def worker(opts, rank, world, local_rank):
         param_dtype = None if opts.tiny else torch.bfloat16
         if opts.seq_len % (2 * world):
             raise ValueError(f"--seq-len={opts.seq_len} must be a multiple of 2 * cp = {2 * world} (zigzag)")
-        backend = opts.backend
-        if backend == "auto":
-            backend = auto_backend(args, device, param_dtype or torch.float32)
+        settings = Settings(args, device.type, world, 1, "zigzag", opts.backend, param_dtype, 1)
+        backend = check_backend(settings, device)
         mesh = build_mesh(device.type, 1, world)
         rows = [measure("ringfa4", opts, args, mesh, device, param_dtype, backend)]
         rows[0]["backend"] = backend
@@ -157,8 +148,6 @@ def worker(opts, rank, world, local_rank):
             if not opts.tiny:
                 raise
             skipped = f"torch_cp could not run on {device.type}: {type(e).__name__}: {str(e).splitlines()[0]}"
-            if rank == 0:
-                traceback.print_exc()
         return {"rows": rows, "skipped": skipped, "world": world,
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     finally:

@@ -48,8 +48,12 @@ def test_existing_checkpoints_need_resume(tmp_path):
 @pytest.mark.parametrize("backend", ["cute", "fa4"])
 def test_gpu_backend_on_cpu_is_refused_naming_the_setting(backend):
     settings = resolve(f"parallel.backend={backend}")
-    with pytest.raises(ConfigError, match=f"parallel.backend={backend} cannot run this model on cpu"):
+    with pytest.raises(ConfigError, match=f"parallel.backend={backend} cannot run this model on cpu: {backend}: "):
         config.check_backend(settings, torch.device("cpu"))
+
+
+def test_auto_backend_on_cpu_is_torch():
+    assert config.check_backend(resolve(), torch.device("cpu")) == "torch"
 
 
 def test_missing_text_files_are_named(tmp_path):

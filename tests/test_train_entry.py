@@ -14,7 +14,7 @@ def run_entry(tmp_path, *overrides):
 def test_entry_trains_a_few_steps_on_two_gloo_workers_with_falling_loss(tmp_path):
     proc = run_entry(tmp_path, "train.steps=8", "train.lr=1e-2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "2 rank(s) on cpu, dp_shard=1 x cp=2 (zigzag)" in proc.stdout
+    assert "2 rank(s) on cpu, dp_shard=1 x cp=2 (zigzag, backend torch)" in proc.stdout
     assert "step 8/8" in proc.stdout and "tok/s" in proc.stdout
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 9))

@@ -1,5 +1,4 @@
 """Attention over a context-parallel group, as a module a model can hold."""
-import torch
 import torch.distributed as dist
 from torch import nn
 

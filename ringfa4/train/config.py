@@ -113,13 +113,17 @@ def resolve(cfg, world_size, dev_type):
 
 
 def check_backend(settings, device):
-    """A backend named explicitly must run the model's attention (forward and backward) on ``device``."""
-    if settings.backend == "auto":
-        return
+    """The backend that will run the model's attention (forward and backward) on ``device``:
+    parallel.backend itself, which must be able to, or what "auto" resolves to."""
     args = settings.model
     dtype = settings.param_dtype or torch.float32
-    q = torch.zeros(1, 2, args.n_heads, args.head_dim, device=device, dtype=dtype, requires_grad=True)
-    kv = torch.zeros(1, 2, args.n_kv_heads, args.head_dim, device=device, dtype=dtype, requires_grad=True)
-    reason = backends.get(settings.backend).unsupported_reason(q, kv, kv, True, True)
-    if reason is not None:
-        raise ConfigError(f"parallel.backend={settings.backend} cannot run this model on {device}: {reason}")
+    # Tiny probes: unsupported_reason looks at device, dtype, head_dim and layout, not at values.
+    q = torch.empty(1, 128, args.n_heads, args.head_dim, device=device, dtype=dtype, requires_grad=True)
+    kv = torch.empty(1, 128, args.n_kv_heads, args.head_dim, device=device, dtype=dtype, requires_grad=True)
+    names = backends.AUTO_ORDER if settings.backend == "auto" else (settings.backend,)
+    reasons = {name: backends.get(name).unsupported_reason(q, kv, kv, True, True) for name in names}
+    usable = [name for name in names if reasons[name] is None]
+    if not usable:
+        raise ConfigError(f"parallel.backend={settings.backend} cannot run this model on {device}: "
+                          + "; ".join(f"{name}: {reason}" for name, reason in reasons.items()))
+    return usable[0]

@@ -1,7 +1,6 @@
 """One rank of a training run: mesh, model, optimizer, data, loop, checkpoints."""
 import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -63,20 +62,20 @@ def train(cfg, rank, world_size, local_rank):
         device = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        config.check_backend(settings, device)
-        return _train(cfg, settings, sampler, device)
+        backend = config.check_backend(settings, device)
+        return _train(cfg, settings, backend, sampler, device)
     finally:
         dist.destroy_process_group()
 
 
-def _train(cfg, settings, sampler, device):
+def _train(cfg, settings, backend, sampler, device):
     train_cfg = cfg["train"]
     rank, world = dist.get_rank(), dist.get_world_size()
     seq_len, steps = train_cfg["seq_len"], train_cfg["steps"]
     mesh = build_mesh(device.type, settings.dp_shard, settings.cp)
     with torch.device("meta"):
         model = Transformer(settings.model)
-    parallelize(model, mesh, layout=settings.layout, backend=settings.backend, param_dtype=settings.param_dtype,
+    parallelize(model, mesh, layout=settings.layout, backend=backend, param_dtype=settings.param_dtype,
                 activation_checkpointing=train_cfg["activation_checkpointing"])
     model.to_empty(device=device)
     model.init_weights(train_cfg["seed"])
@@ -91,7 +90,7 @@ def _train(cfg, settings, sampler, device):
             start, position = checkpoint.load(ckpt_dir, done[-1], model, optimizer, device)
     if rank == 0:
         print(f"ringfa4-train: {world} rank(s) on {device.type}, dp_shard={settings.dp_shard} x cp={settings.cp} "
-              f"({settings.layout}), model {cfg['model'].get('name', '?')} with "
+              f"({settings.layout}, backend {backend}), model {cfg['model'].get('name', '?')} with "
               f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
               f"seq_len={seq_len}, global batch {train_cfg['global_batch']} x {seq_len} tokens"
               + (f", resumed at step {start}" if start else ""), flush=True)
