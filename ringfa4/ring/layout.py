@@ -31,7 +31,7 @@ def check_divisible(seq_len, world, layout, name="sequence length"):
     multiple = num_chunks(world, layout)
     if seq_len % multiple:
         raise ValueError(
-            f"{name} {seq_len} must be a multiple of {multiple} for layout {layout!r} over {world} "
+            f"{name} = {seq_len} must be a multiple of {multiple} for layout {layout!r} over {world} "
             f"ranks; ringfa4 never pads or drops tokens"
         )
 
