@@ -20,6 +20,16 @@ def _empty_like(tensors, dtype=None):
     return [torch.empty_like(t, dtype=dtype) for t in tensors]
 
 
+def _sum_dtype(x, lse, world):
+    """Where partial sums (output, dq, dK/dV) live between ring steps.
+
+    With two ranks every row gets exactly one later term, so the sum is taken once, in fp32 inside
+    the add or merge, and rounded once: keeping it in the input dtype gives the same bits as an fp32
+    buffer cast at the end, without the casts. More ranks sum several terms: fp32 (fp64 for fp64).
+    """
+    return x.dtype if world == 2 else lse.dtype
+
+
 def ring_forward(backend, q, k, v, causal, softmax_scale, group, rank, world, layout):
     ring = Ring(group, q.device)
     kv = [k.contiguous(), v.contiguous()]
@@ -32,7 +42,7 @@ def ring_forward(backend, q, k, v, causal, softmax_scale, group, rank, world, la
         if step is not None:
             o, l = backend.forward(q[:, step.q], kv[0][:, step.kv], kv[1][:, step.kv], step.causal, softmax_scale)
             if out is None:  # step 0, the local block, always covers every query row
-                out, lse = o.to(l.dtype), l
+                out, lse = o.to(_sum_dtype(q, l, world)), l
             else:
                 merging = timeline.begin(q.device)
                 merge_(out[:, step.q], lse[:, :, step.q], o, l)
@@ -45,20 +55,17 @@ def ring_forward(backend, q, k, v, causal, softmax_scale, group, rank, world, la
 
 def ring_backward(backend, dout, q, k, v, out, lse, causal, softmax_scale, group, rank, world, layout,
                   deterministic):
-    """dq stays home; each KV block travels with fp32 (fp64 for fp64 inputs) dK/dV accumulators
-    that arrive home after W steps.
+    """dq stays home; each KV block travels with its dK/dV sums, which arrive home after W steps.
 
-    A step asks the backend for fresh dK/dV of its block (no buffer to zero) while the block's
-    accumulator is still in flight from the previous rank, and adds them once it has arrived. The
-    last hop carries the finished sums already in the input dtype: home adds nothing more to them,
-    so the rounding is the same and the one transfer nothing hides is half as large.
+    A step asks the backend for fresh gradients of its block (no buffer to zero) while the block's
+    sums are still in flight from the previous rank, and adds them once they have arrived. The last
+    hop carries the finished sums already in the input dtype: home adds nothing more to them, so the
+    rounding is the same and the one transfer nothing hides is as small as the KV block.
     """
     ring = Ring(group, q.device)
     kv = [k.contiguous(), v.contiguous()]
     targets = (_empty_like(kv), _empty_like(kv))
-    acc_dtype = lse.dtype  # fp32, or fp64 for fp64 inputs
-    dq = torch.zeros_like(q, dtype=acc_dtype)
-    dkv = inbox = None
+    dq = dkv = inbox = None
     dkv_works = []
     for i in range(world):
         last = i + 1 == world
@@ -68,20 +75,22 @@ def ring_backward(backend, dout, q, k, v, out, lse, causal, softmax_scale, group
         grads = None
         if step is not None:
             rows = step.q
-            _, *grads = backend.backward(
+            grads = backend.backward(
                 dout[:, rows], q[:, rows], kv[0][:, step.kv], kv[1][:, step.kv], out[:, rows],
-                lse[:, :, rows], step.causal, softmax_scale, dq=dq[:, rows], deterministic=deterministic,
+                lse[:, :, rows], step.causal, softmax_scale, deterministic=deterministic,
             )
-        if i == 0:  # the local block: every key row has a gradient, it starts the accumulator
-            dkv = [g.to(acc_dtype) for g in grads]
+        if i == 0:  # the local block covers every query and key row: its gradients start the sums
+            dq, *dkv = (g.to(_sum_dtype(g, lse, world)) for g in grads)
             inbox = _empty_like(dkv)
-        else:
+        elif grads is not None:
+            dq[:, step.q].add_(grads[0])
+        timeline.end(started, "bwd", i, "compute")
+        if i > 0:
             ring.wait(dkv_works)
             dkv, inbox = inbox, dkv
             if grads is not None:
-                for acc, g in zip(dkv, grads):
+                for acc, g in zip(dkv, grads[1:]):
                     acc[:, step.kv].add_(g)
-        timeline.end(started, "bwd", i, "compute")
         if last:
             dkv, inbox = [t.to(k.dtype) for t in dkv], _empty_like(kv)
         dkv_works = ring.start(dkv, inbox, tag=1, span=("bwd", i, "dkv"))

@@ -19,7 +19,7 @@ def _merged(out, lse, out_part, lse_part):
     shift = torch.where(new == -math.inf, 0.0, new)
     w_old = torch.exp(lse - shift).transpose(1, 2).unsqueeze(-1)
     w_part = torch.exp(lse_part - shift).transpose(1, 2).unsqueeze(-1)
-    return out * w_old + out_part.to(out.dtype) * w_part, new
+    return out.to(lse.dtype) * w_old + out_part.to(lse.dtype) * w_part, new
 
 
 def _merge_into(out, lse, out_part, lse_part):
@@ -38,8 +38,9 @@ def _fused():
 def merge_(out, lse, out_part, lse_part):
     """out, lse <- the attention over the union of the keys behind (out, lse) and (out_part, lse_part).
 
-    out (b, s, h, d) and lse (b, h, s), both in lse's dtype, updated in place (they may be views);
+    out (b, s, h, d, any float dtype) and lse (b, h, s) are updated in place (they may be views);
     out_part (any float dtype) and lse_part are a partial result over other keys for the same queries.
+    The arithmetic is in lse's dtype; out is rounded to its own dtype once, on the store.
     A side with lse = -inf (no visible key) gets weight 0; both -inf keeps -inf and out unchanged, never NaN.
     """
     (_fused() if out.is_cuda else _merge_into)(out, lse, out_part, lse_part)

@@ -1,0 +1,385 @@
+"""Performance model of the ring: compute vs. link time per step for a topology, and the efficiency
+that follows (python -m ringfa4.plan --help).
+
+    python -m ringfa4.plan --preset gb200-nvl72 --heads 64 --kv-heads 8 --seq 1048576
+    python -m ringfa4.plan --preset all --heads 32 --kv-heads 8 --seq 131072
+
+The model follows ringfa4.ring.attention step by step (zigzag layout, W ranks, local length L = S/W):
+  forward  step i computes its block while the next KV block (2*L*hk*d elements) travels;
+  backward step i computes while its KV block and the previous step's dK/dV sums travel (one NCCL
+           stream: their times add; sums in fp32 for W > 2); the last dK/dV hop (input dtype) is exposed.
+  A step costs max(compute, transfer); all ranks step together, so every hop runs at the slowest
+  link's speed (InfiniBand once W exceeds the NVLink domain). The ring's memory-bound passes (merge,
+  casts, gradient sums) cost their bytes at the GPU's HBM bandwidth. efficiency = t(1 GPU) / (W * t(ring)).
+Kernel time = FLOPs / TFLOP/s of the backend at that call's length (log-interpolated, clamped);
+link time = latency + bytes / bandwidth (fitted per link).
+
+Numbers come from bench/results/*.json when they hold rows for the preset's GPU (kernel TFLOP/s:
+bench/kernels.py rows; link: the forward KV transfer times that bench/ring.py records), otherwise
+from the defaults below, each with its source. Predictions for measured ring rows are printed next
+to the measurements.
+"""
+import argparse
+import glob
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+
+MiB = 1 << 20
+
+# FA4 (flash_attn.cute, sm90) bf16 hdim 128, TFLOP/s by sequence length, measured on the lent machines
+# on 2026-11-21 (shared/device/README.md): {(direction, causal): ((seq, TFLOP/s), ...)}.
+FA4_H200 = {
+    ("fwd", False): ((1024, 545), (4096, 638), (8192, 663), (16384, 677), (32768, 653)),
+    ("fwd", True): ((1024, 406), (4096, 570), (8192, 607), (16384, 603), (32768, 639)),
+    ("bwd", False): ((1024, 472), (4096, 568), (8192, 599), (16384, 567), (32768, 622)),
+    ("bwd", True): ((1024, 362), (4096, 514), (8192, 562), (16384, 590), (32768, 614)),
+}
+FA4_H100 = {
+    ("fwd", False): ((1024, 552), (4096, 632), (8192, 664), (16384, 664), (32768, 645)),
+    ("fwd", True): ((1024, 386), (4096, 563), (8192, 611), (16384, 611), (32768, 635)),
+    ("bwd", False): ((1024, 458), (4096, 564), (8192, 600), (32768, 615)),
+    ("bwd", True): ((1024, 326), (4096, 509), (8192, 557), (32768, 626)),
+}
+# Not measured here (no Blackwell is lent): FA4 is reported at ~1600 TFLOP/s forward on B200 against
+# ~650 measured above on Hopper, so the H200 curves are scaled by this factor. Override with --tflops-scale.
+BLACKWELL_OVER_HOPPER = 2.4
+# NCCL ring exchange (send next, receive previous, all ranks at once) on 2 x H200, NVLink NV18, per
+# direction per rank (shared/device/README.md): (bytes, GB/s).
+NVLINK4_EXCHANGE = ((16 * MiB, 85.0), (64 * MiB, 172.0), (256 * MiB, 246.0))
+NVLINK4_NOMINAL_GBPS = 450.0  # 18 links x 25 GB/s per direction
+# Assumptions (no measurement lent): NVLink 5 keeps NVLink 4's measured fraction of its nominal
+# 900 GB/s per direction; NCCL over one 400 Gb/s NIC per GPU reaches ~90% of 50 GB/s; HBM copies reach
+# 80% of nominal bandwidth.
+NVLINK5_NOMINAL_GBPS = 900.0
+IB_400G = dict(gbps=0.9 * 50.0, latency_ms=0.03)
+HBM_EFFICIENCY = 0.8
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    gbps: float  # asymptotic GB/s per direction per GPU
+    latency_ms: float
+    source: str
+
+    def ms(self, nbytes):
+        return self.latency_ms + nbytes / (self.gbps * 1e9) * 1e3
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    match: str  # substring of torch.cuda.get_device_name() for results of this GPU
+    hbm_gbps: float  # nominal
+    tflops: dict  # {(direction, causal): ((seq, TFLOP/s), ...)}
+    source: str
+
+    def kernel_tflops(self, direction, causal, seq):
+        """TFLOP/s at this call length: log-linear interpolation, clamped to the measured range."""
+        points = self.tflops[(direction, causal)]
+        if seq <= points[0][0]:
+            return points[0][1]
+        for (s0, t0), (s1, t1) in zip(points, points[1:]):
+            if seq <= s1:
+                f = math.log(seq / s0) / math.log(s1 / s0)
+                return t0 + f * (t1 - t0)
+        return points[-1][1]
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str
+    description: str
+    gpu: Gpu
+    domain: int  # GPUs in one NVLink domain
+    nvlink: Link
+    network: Link  # between domains
+
+    def link(self, world):
+        return self.nvlink if world <= self.domain else self.network
+
+
+def fit_link(name, points, source):
+    """Least-squares latency + bytes/bandwidth through (bytes, ms) points."""
+    n = len(points)
+    mx = sum(b for b, _ in points) / n
+    my = sum(t for _, t in points) / n
+    sxx = sum((b - mx) ** 2 for b, _ in points)
+    if n < 2 or sxx == 0:
+        b, t = points[0]
+        return Link(name, b / (t * 1e-3) / 1e9, 0.0, source)
+    slope = sum((b - mx) * (t - my) for b, t in points) / sxx  # ms per byte
+    latency = max(0.0, my - slope * mx)
+    return Link(name, 1e3 / slope / 1e9 if slope > 0 else float("inf"), latency, source)
+
+
+def _nvlink4():
+    return fit_link("NVLink4 (NV18)", [(b, b / (g * 1e9) * 1e3) for b, g in NVLINK4_EXCHANGE],
+                    "fit to NCCL ring exchange at 16/64/256 MiB on 2 x H200 (shared/device/README.md)")
+
+
+def presets():
+    nv4 = _nvlink4()
+    nv5 = Link("NVLink5", nv4.gbps * NVLINK5_NOMINAL_GBPS / NVLINK4_NOMINAL_GBPS, nv4.latency_ms,
+               f"assumed: NVLink4's measured {nv4.gbps / NVLINK4_NOMINAL_GBPS:.0%} of nominal, of 900 GB/s")
+    ib = Link("InfiniBand 400 Gb/s", IB_400G["gbps"], IB_400G["latency_ms"], "assumed: 90% of 50 GB/s per NIC")
+    h200 = Gpu("H200", "H200", 4800.0, FA4_H200, "FA4 on H200, shared/device/README.md (2026-11-21)")
+    h100 = Gpu("H100", "H100", 3350.0, FA4_H100, "FA4 on H100, shared/device/README.md (2026-11-21)")
+    gb200 = Gpu("GB200", "GB200", 8000.0,
+                {k: tuple((s, t * BLACKWELL_OVER_HOPPER) for s, t in v) for k, v in FA4_H200.items()},
+                f"assumed: H200 FA4 curve x {BLACKWELL_OVER_HOPPER}")
+    return {
+        "h200-x2": Topology("h200-x2", "2 x H200 on NVLink (the lent machine); more GPUs across IB 400G", h200, 2, nv4, ib),
+        "h100-node": Topology("h100-node", "8 x H100 on NVLink (one HGX node); more GPUs across IB 400G", h100, 8, nv4, ib),
+        "gb200-nvl72": Topology("gb200-nvl72", "72 x GB200 in one NVLink domain (900 GB/s per direction per GPU); "
+                                "144+ across racks over IB 400G", gb200, 72, nv5, ib),
+        "ib-400g": Topology("ib-400g", "H100 ranks on different nodes: every hop over InfiniBand 400 Gb/s per GPU",
+                            h100, 1, nv4, ib),
+    }
+
+
+# ---------------------------------------------------------------- calibration from bench/results
+
+
+def default_results_dir():
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results")
+
+
+def _rows(results_dir):
+    rows = []
+    for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, list):
+            rows += [dict(r, _file=os.path.basename(path)) for r in data if isinstance(r, dict)]
+    return rows
+
+
+def calibrate(topo, rows, backend, head_dim):
+    """The topology with kernel curves and its NVLink fitted to measured rows of its GPU, where any."""
+    mine = [r for r in rows if topo.gpu.match in str(r.get("device", ""))]
+    key = "fa4_tflops" if backend == "fa4" else "ringfa4_tflops"
+    curves, files = dict(topo.gpu.tflops), set()
+    for direction, causal in curves:
+        pts = sorted({(r["seq"], r[key]) for r in mine
+                      if r.get("direction") == direction and r.get("causal") == causal
+                      and r.get("hdim") == head_dim and r.get(key)})
+        if pts:
+            curves[(direction, causal)] = tuple(pts)
+            files |= {r["_file"] for r in mine if r.get("direction") == direction and r.get(key)}
+    gpu = topo.gpu
+    if files:
+        gpu = replace(gpu, tflops=curves, source=f"{backend} measured in bench/results/{', '.join(sorted(files))} "
+                      f"(missing directions: {gpu.source})")
+    transfers = [(r["kv_bytes_per_step"], ms) for r in mine if r.get("kv_bytes_per_step")
+                 for ms in r.get("step_ms", {}).get("fwd_kv", [])]
+    nvlink = topo.nvlink
+    if transfers and topo.domain > 1:
+        nvlink = fit_link(nvlink.name, transfers, f"fit to {len(transfers)} forward KV transfers in bench/results/ring.json")
+    return replace(topo, gpu=gpu, nvlink=nvlink)
+
+
+# ---------------------------------------------------------------- the model
+
+
+@dataclass(frozen=True)
+class Shape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    seq: int
+    causal: bool
+    elem: int  # bytes per q/k/v element
+
+
+def _kernel_ms(gpu, shape, direction, sq, sk, causal):
+    flops = 4 * sq * sk * shape.heads * shape.head_dim / (2 if causal else 1)
+    flops *= 2.5 if direction == "bwd" else 1.0
+    seq = math.sqrt(sq * sk)
+    return flops / (gpu.kernel_tflops(direction, causal, seq) * 1e12) * 1e3
+
+
+def _hbm_ms(gpu, nbytes):
+    return nbytes / (gpu.hbm_gbps * HBM_EFFICIENCY * 1e9) * 1e3
+
+
+@dataclass
+class Prediction:
+    world: int
+    local: int
+    link: Link
+    fwd_compute: list
+    bwd_compute: list
+    kv_ms: float
+    dkv_ms: float
+    last_dkv_ms: float
+    extra_ms: float
+    ring_ms: float
+    single_ms: float
+
+    @property
+    def efficiency(self):
+        return self.single_ms / (self.world * self.ring_ms)
+
+
+def single_ms(gpu, shape):
+    s = shape.seq
+    return sum(_kernel_ms(gpu, shape, d, s, s, shape.causal) for d in ("fwd", "bwd"))
+
+
+def _extra_bytes(shape, L, steps, world):
+    """Bytes read + written by the memory-bound passes of ring/attention.py for one rank's steps.
+
+    Partial sums live in the input dtype for W = 2 and in fp32 otherwise (ring.attention._sum_dtype)."""
+    h, hk, d, e = shape.heads, shape.kv_heads, shape.head_dim, shape.elem
+    a = e if world == 2 else 4
+    q_el, kv_el = L * h * d, 2 * L * hk * d
+    later = steps[1:]
+    cast = 0 if a == e else e + a  # bytes per element of a cast between the two dtypes
+    fwd = (q_el * cast  # step-0 output into the sum dtype
+           + sum(sq for sq, _, _ in later) * h * d * (a + e + a)  # fused merges: out, partial in; out back
+           + q_el * cast)  # output cast
+    bwd = (q_el * cast + kv_el * cast  # step-0 gradients into the sum dtype
+           + sum(sq for sq, _, _ in later) * h * d * (a + e + a)  # dq += step gradient
+           + sum(sk for _, sk, _ in later) * 2 * hk * d * (a + e + a)  # dK/dV sums
+           + kv_el * cast + q_el * cast)  # last-hop and dq casts
+    return fwd + bwd
+
+
+def predict(topo, shape, world):
+    """Time of one fwd+bwd ring call on the slowest rank, step by step."""
+    if world < 2:
+        raise ValueError(f"world must be >= 2, got {world}")
+    gpu, L = topo.gpu, shape.seq // world
+    h, hk, d, e = shape.heads, shape.kv_heads, shape.head_dim, shape.elem
+    # Per step (sq, sk, causal) of the slowest rank: zigzag gives every causal step L*L/2 pairs;
+    # of its two shapes, (L queries, L/2 keys) has the shorter kernel loop and merges all L rows.
+    if shape.causal:
+        steps = [(L, L, True)] + [(L, L // 2, False)] * (world - 1)
+    else:
+        steps = [(L, L, False)] * world
+    fwd = [_kernel_ms(gpu, shape, "fwd", sq, sk, c) for sq, sk, c in steps]
+    bwd = [_kernel_ms(gpu, shape, "bwd", sq, sk, c) for sq, sk, c in steps]
+    link = topo.link(world)
+    kv = link.ms(2 * L * hk * d * e)
+    dkv = link.ms(2 * L * hk * d * (e if world == 2 else 4))
+    last = link.ms(2 * L * hk * d * e)
+    extra = max(_extra_bytes(shape, L, steps, world), _extra_bytes(shape, L, [(sk, sq, c) for sq, sk, c in steps], world))
+    extra_ms = _hbm_ms(gpu, extra)
+    n = world
+    ring = (sum(max(c, kv) for c in fwd[:n - 1]) + fwd[-1]
+            + max(bwd[0], kv) + sum(max(c, kv + dkv) for c in bwd[1:n - 1]) + max(bwd[-1], dkv) + last
+            + extra_ms)
+    return Prediction(world, L, link, fwd, bwd, kv, dkv, last, extra_ms, ring, single_ms(gpu, shape))
+
+
+def hiding_chunk(topo, shape, world):
+    """Smallest local length (multiple of 2*128 tokens) at which every step's compute covers its transfers."""
+    def hidden(L):
+        p = predict(topo, replace(shape, seq=L * world), world)
+        return min(p.fwd_compute[1:] or p.fwd_compute) >= p.kv_ms and min(p.bwd_compute) >= p.kv_ms + p.dkv_ms
+    step = 256
+    hi = step
+    while not hidden(hi):
+        hi *= 2
+        if hi > 1 << 26:
+            return None
+    lo = hi // 2
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        if mid <= lo:
+            break
+        lo, hi = (lo, mid) if hidden(mid) else (mid, hi)
+    return hi
+
+
+# ---------------------------------------------------------------- command line
+
+WORLDS = (2, 4, 8, 16, 32, 64, 72, 144, 288, 576)
+DTYPE_BYTES = {"bf16": 2, "fp16": 2}
+
+
+def report(topo, shape, worlds, measured):
+    g, nv, net = topo.gpu, topo.nvlink, topo.network
+    out = [f"== {topo.name}: {topo.description}",
+           f"   kernel TFLOP/s: {g.source}",
+           f"   {nv.name}: {nv.gbps:.0f} GB/s + {nv.latency_ms * 1e3:.0f} us per transfer ({nv.source})",
+           f"   {net.name}: {net.gbps:.0f} GB/s + {net.latency_ms * 1e3:.0f} us per transfer ({net.source})",
+           f"   HBM {g.hbm_gbps:.0f} GB/s nominal, {HBM_EFFICIENCY:.0%} reached by the ring's memory-bound passes",
+           f"   {'causal' if shape.causal else 'full'} attention, seq {shape.seq}, heads {shape.heads}/{shape.kv_heads}, "
+           f"head_dim {shape.head_dim}, {shape.elem * 8}-bit; zigzag layout",
+           "      W    local  link       fwd step ms (compute | kv)   bwd step ms (compute | kv+dkv)   "
+           "overhead ms  ring ms   1-GPU ms  efficiency"]
+    for w in worlds:
+        if shape.seq % (2 * w) or shape.seq // w < 256:
+            continue
+        p = predict(topo, shape, w)
+        out.append(f"   {w:4d} {p.local:8d}  {'NVLink' if w <= topo.domain else 'IB':6s}   "
+                   f"{p.fwd_compute[-1]:8.3f} | {p.kv_ms:7.3f}            {p.bwd_compute[-1]:8.3f} | {p.kv_ms + p.dkv_ms:7.3f}"
+                   f"            {p.extra_ms + p.last_dkv_ms:7.3f}  {p.ring_ms:8.2f} {p.single_ms:9.2f}   {p.efficiency:6.3f}")
+    for label, w in (("NVLink", min(topo.domain, 2) if topo.domain > 1 else None), ("IB", topo.domain + 1)):
+        if w is None or w < 2:
+            continue
+        chunk = hiding_chunk(topo, shape, w)
+        out.append(f"   smallest local chunk whose compute hides the transfers over {label}: "
+                   f"{chunk if chunk else '> 64M'} tokens per rank")
+    for r in measured:
+        s = Shape(r["heads"], r["kv_heads"], r.get("head_dim", shape.head_dim), r["seq"], r["causal"], shape.elem)
+        p = predict(topo, s, r["world"])
+        err = (p.efficiency - r["efficiency"]) / r["efficiency"]
+        out.append(f"   measured {r['backend']} W={r['world']} seq {r['seq']} {'causal' if r['causal'] else 'full'} "
+                   f"{r['heads']}/{r['kv_heads']}: efficiency {r['efficiency']:.3f} measured, {p.efficiency:.3f} "
+                   f"predicted ({err:+.1%}); ring {r['ringfa4_ms']:.2f} ms measured, {p.ring_ms:.2f} predicted")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    names = sorted(presets())
+    p = argparse.ArgumentParser(prog="python -m ringfa4.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="all", help=f"one of {names} or 'all'")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--seq", type=int, default=131072, help="total sequence length over the ring")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--dtype", default="bf16", help=f"one of {sorted(DTYPE_BYTES)}")
+    p.add_argument("--backend", default="fa4", choices=("fa4", "cute"), help="whose kernel TFLOP/s to read from bench/results")
+    p.add_argument("--worlds", default=",".join(map(str, WORLDS)))
+    p.add_argument("--results", default=default_results_dir(), help="folder of bench JSON rows used for calibration")
+    p.add_argument("--tflops-scale", type=float, default=None, help="multiply the kernel curves (e.g. for other GPUs)")
+    args = p.parse_args(argv)
+    if args.dtype not in DTYPE_BYTES:
+        p.error(f"--dtype must be one of {sorted(DTYPE_BYTES)}, got {args.dtype!r}")
+    for name in ("heads", "kv_heads", "head_dim", "seq"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.heads % args.kv_heads:
+        p.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+    chosen = names if args.preset == "all" else [args.preset]
+    if any(n not in names for n in chosen):
+        p.error(f"--preset must be one of {names} or 'all', got {args.preset!r}")
+    worlds = [int(w) for w in args.worlds.split(",")]
+    if any(w < 2 for w in worlds):
+        p.error(f"--worlds must all be >= 2, got {args.worlds}")
+    shape = Shape(args.heads, args.kv_heads, args.head_dim, args.seq, args.causal, DTYPE_BYTES[args.dtype])
+    rows = _rows(args.results) if os.path.isdir(args.results) else []
+    for name in chosen:
+        topo = calibrate(presets()[name], rows, args.backend, args.head_dim)
+        if args.tflops_scale:
+            topo = replace(topo, gpu=replace(topo.gpu, tflops={k: tuple((s, t * args.tflops_scale) for s, t in v)
+                                                                   for k, v in topo.gpu.tflops.items()},
+                                             source=f"{topo.gpu.source} x {args.tflops_scale}"))
+        measured = [r for r in rows if r.get("_file") == "ring.json" and topo.gpu.match in str(r.get("device", ""))
+                    and r.get("world", 0) <= max(topo.domain, 2) and r.get("backend") == args.backend
+                    and r.get("efficiency")]
+        print(report(topo, shape, worlds, measured))
+        print()
+
+
+if __name__ == "__main__":
+    main()
