@@ -61,3 +61,12 @@ def test_cute_backward_raises_the_reason_for_unsupported_inputs():
 def test_cute_forward_raises_the_reason_for_unsupported_inputs():
     with pytest.raises(ValueError, match="backend 'cute' cannot run these inputs: .*CUDA"):
         cute_backend.forward(*_qkv(), False, None)
+
+
+def test_forward_config_that_overflows_shared_memory_is_refused_by_name():
+    from ringfa4.kernels.compile import fwd_variant
+    from ringfa4.kernels.fwd_sm90 import FwdSm90
+
+    cfg = fwd_variant("bf16", 128, False, tile_n=176, persistent=True)
+    with pytest.raises(ValueError, match=f"{cfg.name} needs 246784 bytes of shared memory"):
+        FwdSm90(cfg)

@@ -32,12 +32,15 @@ def fake_bshd(dtype, b, s, h, d):
 
 
 def fwd_defaults(dtype: str, head_dim: int, causal: bool) -> FwdSm90Config:
-    """The configuration `forward` uses for these inputs (tiles chosen as upstream FA3/FA4 do
-    for H100: 128x128 at head dim 128, three consumer warpgroups at 64)."""
-    tile_m = 192 if head_dim <= 64 else 128
-    return FwdSm90Config(
-        dtype=dtype, head_dim=head_dim, causal=causal, tile_m=tile_m, tile_n=128, lpt=causal,
-    )
+    """The configuration `forward` uses for these inputs, chosen from side-by-side runs on H100
+    (bench/RESULTS.md, kernel section): three consumer warpgroups (192-row tiles) at head dim
+    64, persistent when not causal; 128-row tiles at 128, with 176-key blocks when not causal
+    (fewer, longer softmax/rescale steps) and LPT order when causal."""
+    if head_dim <= 64:
+        return FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=192,
+                             tile_n=128, lpt=causal, persistent=not causal)
+    return FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=128,
+                         tile_n=128 if causal else 176, lpt=causal)
 
 
 def _fwd_compile_args(cfg: FwdSm90Config):

@@ -42,6 +42,9 @@ from ringfa4.kernels.softmax import (
 # Named barrier ids (0 is __syncthreads).
 _BAR_EPILOGUE = 1
 _BAR_SCHED0 = 2  # one per consumer warpgroup: _BAR_SCHED0 + (wg - 1)
+# Shared memory per CTA on sm_90 (227 KB) and what mbarriers + buffer alignment take of it.
+_SMEM_MAX = 232448
+_SMEM_RESERVED = 1024
 # Bytes of L2 the LPT order plans to keep K/V of a head group in (H100/H200 have 50/60 MB).
 _L2_BUDGET = 32 * 1024 * 1024
 
@@ -118,6 +121,15 @@ class FwdSm90:
         self.num_threads = 128 * (self.num_wg + 1)
         # setmaxnreg budgets: 64K registers per SM shared by one CTA's warpgroups.
         self.mma_regs, self.producer_regs = {2: (240, 24), 3: (160, 32)}[self.num_wg]
+        elem = 2
+        smem = elem * self.d * (self.tile_m * (2 if cfg.persistent else 1)
+                                + 2 * self.stages * self.tile_n) + _SMEM_RESERVED
+        if smem > _SMEM_MAX:
+            raise ValueError(
+                f"{cfg.name} needs {smem} bytes of shared memory (Q, K/V stages"
+                f"{', O' if cfg.persistent else ''}), Hopper has {_SMEM_MAX} per CTA: use a "
+                f"smaller tile_n or fewer stages"
+            )
 
     @cute.jit
     def __call__(

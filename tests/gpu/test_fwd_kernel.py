@@ -139,9 +139,10 @@ FLAG_VARIANTS = [
     dict(lpt=True),
     dict(num_stages=3),
     dict(persistent=True),
+    dict(tile_n=128),
     dict(tile_n=176),
-    dict(tile_n=176, persistent=True),
     dict(tile_n=192),
+    dict(persistent=False),
 ]
 
 
