@@ -317,6 +317,7 @@ def report(topo, shape, worlds, measured):
            "overhead ms  ring ms   1-GPU ms  efficiency"]
     for w in worlds:
         if shape.seq % (2 * w) or shape.seq // w < 256:
+            out.append(f"   W={w}: seq {shape.seq} is not a multiple of {2 * w} with >= 256 tokens per rank, not modelled")
             continue
         p = predict(topo, shape, w)
         out.append(f"   {w:4d} {p.local:8d}  {'NVLink' if w <= topo.domain else 'IB':6s}   "
