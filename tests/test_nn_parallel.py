@@ -70,8 +70,9 @@ def test_cp2_step_matches_one_process_zigzag_tied_gqa_with_recompute():
     assert_same_step(args, dp_shard=1, cp=2, layout="zigzag", recompute=True)
 
 
-def test_dp2_x_cp2_step_matches_one_process_contiguous_untied_mqa():
-    args = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=1, ffn_dim=48, rope_theta=10000.0,
+def test_dp2_x_cp2_step_matches_one_process_contiguous_untied_mqa_uneven_shards():
+    # vocab 66 and ffn 50 rows do not split evenly over the 4 FSDP ranks.
+    args = ModelArgs(vocab_size=66, dim=32, n_layers=2, n_heads=4, n_kv_heads=1, ffn_dim=50, rope_theta=10000.0,
                      tie_embeddings=False)
     assert_same_step(args, dp_shard=2, cp=2, layout="contiguous", recompute=False)
 
