@@ -25,9 +25,10 @@ def run(cfg):
     return launch.spawn(trainer.train, world, cfg)
 
 
-# The config tree lives inside the package (ringfa4/configs), not in a top-level configs/ folder,
-# so that an installed `ringfa4-train` finds it without a source checkout.
-@hydra.main(version_base="1.3", config_path="../configs", config_name="config")
+# The config tree lives inside the package (ringfa4/configs, with an __init__.py because Hydra
+# looks packaged configs up as a module), not in a top-level configs/ folder, so that an installed
+# `ringfa4-train` finds it without a source checkout.
+@hydra.main(version_base="1.3", config_path="pkg://ringfa4.configs", config_name="config")
 def _app(cfg):
     plain = OmegaConf.to_container(cfg, resolve=True)
     plain["run_dir"] = HydraConfig.get().runtime.output_dir
