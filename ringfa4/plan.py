@@ -96,6 +96,7 @@ class Topology:
     domain: int  # GPUs in one NVLink domain
     nvlink: Link
     network: Link  # between domains
+    backend: str = "fa4"  # whose kernels: "fa4" (upstream) or "cute" (ours)
 
     def link(self, world):
         return self.nvlink if world <= self.domain else self.network
@@ -181,7 +182,7 @@ def calibrate(topo, rows, backend, head_dim):
     nvlink = topo.nvlink
     if transfers and topo.domain > 1:
         nvlink = fit_link(nvlink.name, transfers, f"fit to {len(transfers)} forward KV transfers in bench/results/ring.json")
-    return replace(topo, gpu=gpu, nvlink=nvlink)
+    return replace(topo, gpu=gpu, nvlink=nvlink, backend=backend)
 
 
 # ---------------------------------------------------------------- the model
@@ -232,10 +233,12 @@ def single_ms(gpu, shape):
     return sum(_kernel_ms(gpu, shape, d, s, s, shape.causal) for d in ("fwd", "bwd"))
 
 
-def _extra_bytes(shape, L, steps, world):
+def _extra_bytes(shape, L, steps, world, dq_adds):
     """Bytes read + written by the memory-bound passes of ring/attention.py for one rank's steps.
 
-    Partial sums live in the input dtype for W = 2 and in fp32 otherwise (ring.attention._sum_dtype)."""
+    Partial sums live in the input dtype for W = 2 and in fp32 otherwise (ring.attention._sum_dtype);
+    dq_adds: the backend adds a fresh dq into the ring's fp32 one (fa4) instead of accumulating in
+    its kernel (cute)."""
     h, hk, d, e = shape.heads, shape.kv_heads, shape.head_dim, shape.elem
     a = e if world == 2 else 4
     q_el, kv_el = L * h * d, 2 * L * hk * d
@@ -244,10 +247,11 @@ def _extra_bytes(shape, L, steps, world):
     fwd = (q_el * cast  # step-0 output into the sum dtype
            + sum(sq for sq, _, _ in later) * h * d * (a + e + a)  # fused merges: out, partial in; out back
            + q_el * cast)  # output cast
-    bwd = (q_el * cast + kv_el * cast  # step-0 gradients into the sum dtype
-           + sum(sq for sq, _, _ in later) * h * d * (a + e + a)  # dq += step gradient
+    bwd = (q_el * 4 + q_el * (4 + e)  # fp32 dq: zeros, final cast
+           + (sum(sq for sq, _, _ in steps) * h * d * (4 + e + 4) if dq_adds else 0)  # dq += step gradient
+           + kv_el * cast  # step-0 dK/dV into the sum dtype
            + sum(sk for _, sk, _ in later) * 2 * hk * d * (a + e + a)  # dK/dV sums
-           + kv_el * cast + q_el * cast)  # last-hop and dq casts
+           + kv_el * cast)  # last-hop cast
     return fwd + bwd
 
 
@@ -269,7 +273,8 @@ def predict(topo, shape, world):
     kv = link.ms(2 * L * hk * d * e)
     dkv = link.ms(2 * L * hk * d * (e if world == 2 else 4))
     last = link.ms(2 * L * hk * d * e)
-    extra = max(_extra_bytes(shape, L, steps, world), _extra_bytes(shape, L, [(sk, sq, c) for sq, sk, c in steps], world))
+    dq_adds = topo.backend != "cute"
+    extra = max(_extra_bytes(shape, L, s, world, dq_adds) for s in (steps, [(sk, sq, c) for sq, sk, c in steps]))
     extra_ms = _hbm_ms(gpu, extra)
     n = world
     ring = (sum(max(c, kv) for c in fwd[:n - 1]) + fwd[-1]

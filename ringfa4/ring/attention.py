@@ -21,7 +21,7 @@ def _empty_like(tensors, dtype=None):
 
 
 def _sum_dtype(x, lse, world):
-    """Where partial sums (output, dq, dK/dV) live between ring steps.
+    """Where partial sums of the output and of dK/dV live between ring steps.
 
     With two ranks every row gets exactly one later term, so the sum is taken once, in fp32 inside
     the add or merge, and rounded once: keeping it in the input dtype gives the same bits as an fp32
@@ -55,9 +55,10 @@ def ring_forward(backend, q, k, v, causal, softmax_scale, group, rank, world, la
 
 def ring_backward(backend, dout, q, k, v, out, lse, causal, softmax_scale, group, rank, world, layout,
                   deterministic):
-    """dq stays home; each KV block travels with its dK/dV sums, which arrive home after W steps.
+    """dq stays home in fp32 (the backend adds each step into it; own kernels do so in place); each
+    KV block travels with its dK/dV sums, which arrive home after W steps.
 
-    A step asks the backend for fresh gradients of its block (no buffer to zero) while the block's
+    A step asks the backend for fresh dK/dV of its block (no buffer to zero) while the block's
     sums are still in flight from the previous rank, and adds them once they have arrived. The last
     hop carries the finished sums already in the input dtype: home adds nothing more to them, so the
     rounding is the same and the one transfer nothing hides is as small as the KV block.
@@ -65,7 +66,8 @@ def ring_backward(backend, dout, q, k, v, out, lse, causal, softmax_scale, group
     ring = Ring(group, q.device)
     kv = [k.contiguous(), v.contiguous()]
     targets = (_empty_like(kv), _empty_like(kv))
-    dq = dkv = inbox = None
+    dq = torch.zeros_like(q, dtype=lse.dtype)  # fp32, or fp64 for fp64 inputs
+    dkv = inbox = None
     dkv_works = []
     for i in range(world):
         last = i + 1 == world
@@ -75,21 +77,19 @@ def ring_backward(backend, dout, q, k, v, out, lse, causal, softmax_scale, group
         grads = None
         if step is not None:
             rows = step.q
-            grads = backend.backward(
+            _, *grads = backend.backward(
                 dout[:, rows], q[:, rows], kv[0][:, step.kv], kv[1][:, step.kv], out[:, rows],
-                lse[:, :, rows], step.causal, softmax_scale, deterministic=deterministic,
+                lse[:, :, rows], step.causal, softmax_scale, dq=dq[:, rows], deterministic=deterministic,
             )
-        if i == 0:  # the local block covers every query and key row: its gradients start the sums
-            dq, *dkv = (g.to(_sum_dtype(g, lse, world)) for g in grads)
+        if i == 0:  # the local block covers every key row: its dK/dV start the sums
+            dkv = [g.to(_sum_dtype(g, lse, world)) for g in grads]
             inbox = _empty_like(dkv)
-        elif grads is not None:
-            dq[:, step.q].add_(grads[0])
         timeline.end(started, "bwd", i, "compute")
         if i > 0:
             ring.wait(dkv_works)
             dkv, inbox = inbox, dkv
             if grads is not None:
-                for acc, g in zip(dkv, grads[1:]):
+                for acc, g in zip(dkv, grads):
                     acc[:, step.kv].add_(g)
         if last:
             dkv, inbox = [t.to(k.dtype) for t in dkv], _empty_like(kv)
