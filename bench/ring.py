@@ -117,13 +117,13 @@ def summarize(spans):
 
 def torch_cp(q, k, v, dout, causal, timer, mesh):
     """ms per fwd+bwd of PyTorch's context_parallel over cuDNN SDPA, or the error it raised."""
-    from torch.distributed.tensor.experimental import context_parallel
-    from torch.distributed.tensor.experimental._attention import _cp_options
+    from torch.distributed.tensor.experimental import _attention, context_parallel
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     group = q.shape[2] // k.shape[2]
     # (b, s, h, d) -> (b, h, s, d), kv heads repeated for SDPA; fresh buffers: CP shards them in place.
     bufs = [t.transpose(1, 2).contiguous() for t in (q, k.repeat_interleave(group, 2), v.repeat_interleave(group, 2), dout)]
+    _cp_options = _attention._cp_options  # private: where PyTorch keeps the load balancer switch
     old = _cp_options.enable_load_balance
     _cp_options.enable_load_balance = causal
     try:
