@@ -5,11 +5,15 @@
 #        train.global_batch=1 train.activation_checkpointing=true
 #
 # Sizing cp: each rank holds seq_len / cp tokens, and the ring hides its K/V transfer behind
-# attention only while that chunk is long enough. `python -m ringfa4.plan` prints, for a topology
-# preset (e.g. one 8-GPU NVLink node) and the model's heads/kv_heads/head_dim, the smallest chunk
-# that hides the transfer and the expected efficiency per cp: take the smallest cp that fits the
-# activations in memory and keeps seq_len / cp above that chunk; the remaining GPUs become
-# data-parallel ranks (parallel.dp_shard=-1). seq_len must be a multiple of 2 * cp (zigzag layout).
+# attention only while that chunk is long enough. For the model's heads / kv_heads / head_dim
+# (llama3-1b: 32 / 8 / 64) and a topology preset, the planner prints the ring's efficiency per cp
+# and the smallest chunk per rank that hides the transfer:
+#
+#   python -m ringfa4.plan --preset h100-node --heads 32 --kv-heads 8 --head-dim 64 --seq 262144
+#
+# Take the smallest cp whose activations fit in memory while seq_len / cp stays above that chunk;
+# the other GPUs become data-parallel ranks (parallel.dp_shard=-1). seq_len must be a multiple of
+# 2 * cp (zigzag layout).
 set -euo pipefail
 
 NPROC=${NPROC:-$(nvidia-smi --list-gpus | wc -l)}
