@@ -13,15 +13,12 @@ import os
 import time
 from dataclasses import replace
 
-import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
 
 from ringfa4.kernels import bwd_sm90
-from ringfa4.kernels.fwd_sm90 import FwdSm90, FwdSm90Config
+from ringfa4.kernels.fwd_sm90 import FwdSm90Config
 
-ARCH = "sm_90a"
-_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+ARCH = os.environ["CUTE_DSL_ARCH"]  # pinned by ringfa4.kernels
 _ALIGN_ELEMS = 8  # 16 bytes of bf16/fp16: TMA needs 16-byte aligned strides and base
 
 
@@ -43,22 +40,6 @@ def fwd_defaults(dtype: str, head_dim: int, causal: bool) -> FwdSm90Config:
                          tile_n=128 if causal else 176, lpt=causal)
 
 
-def _fwd_compile_args(cfg: FwdSm90Config):
-    dt = _DTYPES[cfg.dtype]
-    b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
-    q = fake_bshd(dt, b, sq, h, cfg.head_dim)
-    k = fake_bshd(dt, b, sk, hk, cfg.head_dim)
-    v = fake_bshd(dt, b, sk, hk, cfg.head_dim)
-    o = fake_bshd(dt, b, sq, h, cfg.head_dim)
-    lse = cute.runtime.make_fake_tensor(
-        Float32, (b, h, sq), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
-    )
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return FwdSm90(cfg), (q, k, v, o, lse, Float32(1.0), cutlass.Int32(1), stream)
-
-
-FwdSm90Config.compile_args = _fwd_compile_args
-
 # Shipped forward variants: the defaults for every supported (dtype, head_dim, causal).
 VARIANTS = [
     fwd_defaults(dt, d, c) for dt in ("bf16", "fp16") for d in (64, 128) for c in (False, True)
@@ -75,8 +56,6 @@ def compile_variant(cfg, options: str = ""):
     key = (cfg, ARCH, options)
     fn = _cache.get(key)
     if fn is None:
-        # Without a GPU the DSL would silently target sm_100a; pin the arch we build for.
-        os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
         kernel, args = cfg.compile_args()
         t0 = time.perf_counter()
         fn = cute.compile(kernel, *args, options=("--enable-tvm-ffi " + options).strip())

@@ -66,6 +66,21 @@ class FwdSm90Config:
     lpt: bool = False
     persistent: bool = False
 
+    def compile_args(self):
+        """(kernel, fake arguments) for cute.compile: batch, sequence lengths and head counts
+        are symbolic, so one compiled kernel serves them all."""
+        from ringfa4.kernels.compile import fake_bshd
+
+        dt = cutlass.BFloat16 if self.dtype == "bf16" else cutlass.Float16
+        b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
+        q, o = (fake_bshd(dt, b, sq, h, self.head_dim) for _ in range(2))
+        k, v = (fake_bshd(dt, b, sk, hk, self.head_dim) for _ in range(2))
+        lse = cute.runtime.make_fake_tensor(
+            Float32, (b, h, sq), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
+        )
+        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+        return FwdSm90(self), (q, k, v, o, lse, Float32(1.0), Int32(1), stream)
+
     @property
     def name(self) -> str:
         flags = [
