@@ -46,13 +46,12 @@ def parallelize(model, mesh, *, layout="zigzag", backend="auto", param_dtype=Non
         fully_shard(block, mesh=shard_mesh, mp_policy=policy)
     fully_shard(model, mesh=shard_mesh, mp_policy=policy)
     # Each rank's loss is already its share of the global-batch mean (token sum / global token
-    # count), so gradients must be summed over ranks, not averaged.
-    # Gloo has no PREMUL_SUM (what FSDP uses for a custom factor), so there FSDP sums and scales after.
-    gloo = dist.get_backend(shard_mesh.get_group()) == "gloo"
+    # count), so gradients must be summed over ranks, not averaged. A plain SUM reduction: a custom
+    # factor otherwise becomes NCCL's PreMulSum, which gloo lacks and which has had bugs.
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(gloo)
+            module.set_force_sum_reduction_for_comms(True)
     return model
 
 
