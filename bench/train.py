@@ -138,7 +138,7 @@ def worker(opts, rank, world, local_rank):
         param_dtype = None if opts.tiny else torch.bfloat16
         if opts.seq_len % (2 * world):
             raise ValueError(f"--seq-len={opts.seq_len} must be a multiple of 2 * cp = {2 * world} (zigzag)")
-        settings = Settings(args, device.type, world, 1, "zigzag", opts.backend, param_dtype, 1)
+        settings = Settings(args, world, 1, "zigzag", opts.backend, param_dtype, 1)
         backend = check_backend(settings, device)
         mesh = build_mesh(device.type, 1, world)
         rows = [measure("ringfa4", opts, args, mesh, device, param_dtype, backend)]

@@ -19,7 +19,6 @@ class ConfigError(ValueError):
 class Settings:
     """What the config resolves to for a given world size and device type."""
     model: ModelArgs
-    device_type: str
     cp: int
     dp_shard: int
     layout: str
@@ -108,7 +107,7 @@ def resolve(cfg, world_size, dev_type):
             raise ConfigError(f"train.checkpoint_dir={ckpt_dir} already holds checkpoints of steps "
                               f"{checkpoint.complete_steps(ckpt_dir)}: pass train.resume=true to continue "
                               f"that run, or choose another train.checkpoint_dir")
-    return Settings(model, dev_type, cp, dp_shard, layout, backend, MIXED_PRECISION[precision],
+    return Settings(model, cp, dp_shard, layout, backend, MIXED_PRECISION[precision],
                     global_batch // dp_shard)
 
 
