@@ -1,7 +1,8 @@
 """Attention forward for Hopper (sm_90a), warp-specialised, returning the log-sum-exp.
 
-One CTA computes a tile of tile_m query rows of one (batch, head) against every visible key:
-- warpgroup 0: one producer warp issues TMA loads: Q once, then K and V blocks through a
+A work tile is tile_m query rows of one (batch, head) against every key they see; a CTA runs
+one tile, or with `persistent` every grid-size-th tile on one resident CTA per SM.
+- warpgroup 0: one producer warp issues TMA loads: the tile's Q, then K and V blocks through a
   num_stages-deep ring of shared-memory buffers guarded by mbarriers (full/empty per stage).
   It gives most of its registers back (setmaxnreg) to the consumers.
 - warpgroups 1..num_wg: consumers, 64 query rows each. S = Q K^T is a wgmma with both operands
@@ -14,6 +15,8 @@ Techniques, each a compile-time switch so benchmarks can show what it buys:
 - rescale_threshold: conditional O rescaling (softmax.OnlineSoftmax).
 - ex2_fma_per16: share of exponentials computed by polynomial on the FMA pipe.
 - lpt: causal tiles ordered longest-first, heads grouped so a group's K/V stays in L2.
+- persistent: the producer loads the next tile's Q, K, V while consumers finish the last one
+  (O then needs its own staging buffer instead of reusing Q's).
 GQA/MQA read the kv head h // (heads / kv_heads) in place. Ragged tails rely on TMA: loads
 outside the tensor fill zeros, stores outside it are dropped; scores past seqlen_k are masked.
 """
@@ -125,7 +128,7 @@ def _wgmma(tiled_mma, acc, tA, tB, zero_init: cutlass.Constexpr[bool], wait: cut
 class FwdSm90:
     def __init__(self, cfg: FwdSm90Config):
         assert cfg.dtype in ("bf16", "fp16")
-        assert cfg.head_dim in (64, 96, 128) and cfg.tile_m % 64 == 0 and cfg.tile_n % 16 == 0
+        assert cfg.head_dim in (64, 128) and cfg.tile_m % 64 == 0 and cfg.tile_n % 16 == 0
         self.cfg = cfg
         self.dtype = cutlass.BFloat16 if cfg.dtype == "bf16" else cutlass.Float16
         self.d = cfg.head_dim
@@ -136,8 +139,7 @@ class FwdSm90:
         self.num_threads = 128 * (self.num_wg + 1)
         # setmaxnreg budgets: 64K registers per SM shared by one CTA's warpgroups.
         self.mma_regs, self.producer_regs = {2: (240, 24), 3: (160, 32)}[self.num_wg]
-        elem = 2
-        smem = elem * self.d * (self.tile_m * (2 if cfg.persistent else 1)
+        smem = 2 * self.d * (self.tile_m * (2 if cfg.persistent else 1)
                                 + 2 * self.stages * self.tile_n) + _SMEM_RESERVED
         if smem > _SMEM_MAX:
             raise ValueError(
