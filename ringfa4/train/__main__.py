@@ -9,6 +9,7 @@ import os
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from ringfa4.train import config, data, launch, trainer
 
@@ -30,11 +31,11 @@ def run(cfg):
 # `ringfa4-train` finds it without a source checkout.
 @hydra.main(version_base="1.3", config_path="pkg://ringfa4.configs", config_name="config")
 def _app(cfg):
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    plain["run_dir"] = HydraConfig.get().runtime.output_dir
     try:
+        plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        plain["run_dir"] = HydraConfig.get().runtime.output_dir
         run(plain)
-    except config.ConfigError as e:
+    except (config.ConfigError, FileNotFoundError, MissingMandatoryValue) as e:
         raise SystemExit(f"ringfa4-train: bad configuration: {e}") from None
 
 

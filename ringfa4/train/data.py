@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ringfa4.train.config import ConfigError
+
 CORPUS_DIR = Path(__file__).parent / "corpus"
 BYTE_VOCAB = 256
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -54,14 +56,14 @@ def text_stream(paths):
 def token_file_stream(path, dtype):
     """A raw memory-mapped file of token ids, as nanoGPT's prepare scripts and Megatron's .bin write them."""
     if dtype not in TOKEN_DTYPES:
-        raise ValueError(f"data.dtype must be one of {sorted(TOKEN_DTYPES)}, got {dtype!r}")
+        raise ConfigError(f"data.dtype must be one of {sorted(TOKEN_DTYPES)}, got {dtype!r}")
     path = os.path.expanduser(str(path))
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data.path {path!r} is not a file")
     itemsize = np.dtype(TOKEN_DTYPES[dtype]).itemsize
     size = os.path.getsize(path)
     if size == 0 or size % itemsize:
-        raise ValueError(f"data.path {path!r} has {size} bytes, not a positive multiple of "
+        raise ConfigError(f"data.path {path!r} has {size} bytes, not a positive multiple of "
                          f"{itemsize} (data.dtype={dtype})")
     return TokenStream(np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r"), None, path)
 
@@ -74,7 +76,7 @@ class StreamSampler:
         self.stream, self.seq_len, self.seed = stream, seq_len, seed
         self.windows = (len(stream) - 1) // seq_len
         if self.windows < 1:
-            raise ValueError(f"the data ({stream.source}) holds {len(stream)} tokens, fewer than "
+            raise ConfigError(f"the data ({stream.source}) holds {len(stream)} tokens, fewer than "
                              f"train.seq_len + 1 = {seq_len + 1}")
         self._epoch, self._order = None, None
 
@@ -108,9 +110,9 @@ def build_sampler(data_cfg, seq_len, vocab_size, seed):
     elif kind == "tokens":
         stream = token_file_stream(data_cfg.get("path"), data_cfg.get("dtype", "uint16"))
     else:
-        raise ValueError(f"data.kind must be one of synthetic, text, tokens; got {kind!r}")
+        raise ConfigError(f"data.kind must be one of synthetic, text, tokens; got {kind!r}")
     if stream.vocab_size is not None and stream.vocab_size > vocab_size:
-        raise ValueError(f"data.kind={kind} has {stream.vocab_size} token ids but model.vocab_size={vocab_size}")
+        raise ConfigError(f"data.kind={kind} has {stream.vocab_size} token ids but model.vocab_size={vocab_size}")
     return StreamSampler(stream, seq_len, seed)
 
 
