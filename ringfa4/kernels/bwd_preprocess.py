@@ -13,7 +13,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-LOG2_E = math.log2(math.e)
+from ringfa4.kernels.softmax import LOG2_E
+
 _THREADS = 128
 _THREADS_PER_ROW = 8
 _ROWS = _THREADS // _THREADS_PER_ROW

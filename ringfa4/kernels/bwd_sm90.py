@@ -22,7 +22,6 @@ descending for causal so that no CTA waits for the long-running low blocks). CTA
 with the KV block as the fastest grid index, in that same order, so a CTA only ever waits on
 CTAs launched before it.
 """
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,7 +33,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-LOG2_E = math.log2(math.e)
+from ringfa4.kernels import wgmma
+from ringfa4.kernels.softmax import LOG2_E
 
 # Named barriers (id 0 is __syncthreads).
 _BAR_PDS = 1  # dS tile of both MMA warp groups is in shared memory
@@ -81,36 +81,6 @@ def _acc_mn(acc: cute.Tensor, transpose: bool) -> cute.Tensor:
     return cute.make_tensor(
         acc.iterator, cute.composition(acc.layout, cute.make_layout(shape, stride=stride))
     )
-
-
-def _acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
-    """View a 16-bit accumulator ((2, 2, V), M, N) as a register A operand
-    ((2, 2, 2), M, (V / 2, N)) of the next wgmma (k blocks of 16)."""
-    lay = cute.logical_divide(acc.layout, ((None, None, 2), None, None))
-    return cute.make_tensor(
-        acc.iterator,
-        cute.make_layout(
-            ((lay.shape[0][0], lay.shape[0][1], lay.shape[0][2][0]), lay.shape[1],
-             (lay.shape[0][2][1], lay.shape[2])),
-            stride=((lay.stride[0][0], lay.stride[0][1], lay.stride[0][2][0]), lay.stride[1],
-                    (lay.stride[0][2][1], lay.stride[2])),
-        ),
-    )
-
-
-@cute.jit
-def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
-          zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int]):
-    """acc (+)= A B over all k blocks as one wgmma group; wait until ``wait`` groups remain."""
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
-        cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
-    if const_expr(wait >= 0):
-        warpgroup.wait_group(wait)
 
 
 class AttentionBackwardSm90:
@@ -489,10 +459,10 @@ class AttentionBackwardSm90:
 
             pipe_q.consumer_wait(state)
             acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
-            _gemm(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, stage], zero_init=True, wait=-1)
+            wgmma.gemm(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, stage], zero_init=True, wait=-1)
             pipe_do.consumer_wait(state)
             acc_dp = cute.make_rmem_tensor(acc_shape_s, Float32)
-            _gemm(mma_sdp, acc_dp, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wait=1)
+            wgmma.gemm(mma_sdp, acc_dp, tdPrV, tdPrdO[None, None, None, stage], zero_init=True, wait=1)
 
             # P^T = exp2(S^T * scale * log2(e) - lse2); masked entries give exp2(-inf) = 0.
             s_mn = _acc_mn(acc_s, transpose=True)  # (query, key)
@@ -528,16 +498,16 @@ class AttentionBackwardSm90:
             # _BAR_PDS of the previous step.
             cute.copy(r2s_ds, thr_r2s_ds.retile(ds), tdSs[None, None, None, stage])
 
-            _gemm(mma_dkv, acc_dV, _acc_as_operand_a(p), tdVrdO[None, None, None, stage],
+            wgmma.gemm(mma_dkv, acc_dV, wgmma.acc_as_operand_a(p), tdVrdO[None, None, None, stage],
                   zero_init=False, wait=-1)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=_BAR_PDS, number_of_threads=_NUM_MMA_WG * _WG_THREADS)
 
             acc_dq = cute.make_rmem_tensor(mma_dq.partition_shape_C((self.tile_m, d)), Float32)
-            _gemm(mma_dq, acc_dq, tdQrdS[None, None, None, stage], tdQrK, zero_init=True,
+            wgmma.gemm(mma_dq, acc_dq, tdQrdS[None, None, None, stage], tdQrK, zero_init=True,
                   wait=1)
             pipe_do.consumer_release(state)  # the dV product has read dO
-            _gemm(mma_dkv, acc_dK, _acc_as_operand_a(ds), tdKrQ[None, None, None, stage],
+            wgmma.gemm(mma_dkv, acc_dK, wgmma.acc_as_operand_a(ds), tdKrQ[None, None, None, stage],
                   zero_init=False, wait=1)
 
             # dQ part -> shared memory -> dQ warp, which adds it into global memory.

@@ -33,10 +33,10 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
+from ringfa4.kernels import wgmma
 from ringfa4.kernels.softmax import (
     LOG2_E,
     OnlineSoftmax,
-    acc_as_operand_a,
     acc_rows_view,
     convert_to,
     scale_rows,
@@ -109,20 +109,6 @@ def _smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
 
 def _permute(t: cute.Tensor, modes) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
-
-
-@cute.jit
-def _wgmma(tiled_mma, acc, tA, tB, zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int]):
-    """One warpgroup's acc (+)= A @ B over the whole K extent, as one wgmma commit group."""
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
-        cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
-    if const_expr(wait >= 0):
-        warpgroup.wait_group(wait)
 
 
 class FwdSm90:
@@ -432,7 +418,7 @@ class FwdSm90:
                 pipe_k.consumer_release(state)
                 self.apply_mask(ctx, acc_S, n_first, causal, True)
                 softmax.step(acc_S, is_first=True)
-                convert_to(acc_as_operand_a(acc_S), tOrP)
+                convert_to(wgmma.acc_as_operand_a(acc_S), tOrP)
             else:
                 self.sched_sync()
                 state = self.step_serial(ctx, state, n_first, causal, True, True)
@@ -472,12 +458,12 @@ class FwdSm90:
     @cute.jit
     def qk(self, ctx, stage):
         acc_S = cute.make_rmem_tensor(ctx.s_shape, Float32)
-        _wgmma(ctx.tiled_mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, stage], True, -1)
+        wgmma.gemm(ctx.tiled_mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, stage], True, -1)
         return acc_S
 
     @cute.jit
     def pv(self, ctx, stage, wait: cutlass.Constexpr[int]):
-        _wgmma(ctx.tiled_mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt[None, None, None, stage], False, wait)
+        wgmma.gemm(ctx.tiled_mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt[None, None, None, stage], False, wait)
 
     @cute.jit
     def rescale_o(self, ctx, row_scale):
@@ -505,7 +491,7 @@ class FwdSm90:
         row_scale = ctx.softmax.step(acc_S, is_first=False)
         warpgroup.wait_group(0)
         ctx.pipe_v.consumer_release(v_state)
-        convert_to(acc_as_operand_a(acc_S), ctx.tOrP)
+        convert_to(wgmma.acc_as_operand_a(acc_S), ctx.tOrP)
         self.rescale_o(ctx, row_scale)
         return state
 
@@ -524,7 +510,7 @@ class FwdSm90:
         if const_expr(causal or seq):
             self.apply_mask(ctx, acc_S, n_block, causal, seq)
         row_scale = ctx.softmax.step(acc_S, is_first=is_first)
-        convert_to(acc_as_operand_a(acc_S), ctx.tOrP)
+        convert_to(wgmma.acc_as_operand_a(acc_S), ctx.tOrP)
         if const_expr(not is_first):
             self.rescale_o(ctx, row_scale)
         ctx.pipe_v.consumer_wait(state)

@@ -130,22 +130,6 @@ def acc_rows_view(acc: cute.Tensor) -> cute.Tensor:
 
 
 @cute.jit
-def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
-    """View the S accumulator as the register A operand of the P @ V wgmma (16-bit types):
-    ((2, 2, N/8), MMA_M, MMA_N) -> ((2, 2, 2), MMA_M, (N/16, MMA_N))."""
-    lay = cute.logical_divide(acc.layout, ((None, None, 2), None, None))
-    return cute.make_tensor(
-        acc.iterator,
-        cute.make_layout(
-            ((lay.shape[0][0], lay.shape[0][1], lay.shape[0][2][0]), lay.shape[1],
-             (lay.shape[0][2][1], lay.shape[2])),
-            stride=((lay.stride[0][0], lay.stride[0][1], lay.stride[0][2][0]), lay.stride[1],
-                    (lay.stride[0][2][1], lay.stride[2])),
-        ),
-    )
-
-
-@cute.jit
 def row_max_of(row: cute.Tensor) -> Float32:
     # Four independent chains keep the FMNMX latency off the critical path.
     acc = [row[0], row[1], row[2], row[3]]
