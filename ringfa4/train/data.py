@@ -8,18 +8,17 @@ import glob
 import os
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ringfa4.train.config import ConfigError
 
 CORPUS_DIR = Path(__file__).parent / "corpus"
 BYTE_VOCAB = 256
-TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+TOKEN_DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32}
 
 
 class TokenStream:
-    """A flat array of token ids (anything indexable by slices into numpy integers)."""
+    """A flat 1-D tensor of token ids (in memory, or memory-mapped from a file)."""
 
     def __init__(self, tokens, vocab_size, source):
         self.tokens = tokens
@@ -30,7 +29,7 @@ class TokenStream:
         return len(self.tokens)
 
     def window(self, start, length):
-        return torch.from_numpy(np.asarray(self.tokens[start:start + length], dtype=np.int64))
+        return self.tokens[start:start + length].to(torch.int64)
 
 
 def text_stream(paths):
@@ -50,7 +49,7 @@ def text_stream(paths):
                 raise FileNotFoundError(f"data.paths entry {pattern!r} matches no file")
             files += matched
     data = b"".join(Path(f).read_bytes() for f in files)
-    return TokenStream(np.frombuffer(data, dtype=np.uint8), BYTE_VOCAB, f"{len(files)} text file(s)")
+    return TokenStream(torch.frombuffer(bytearray(data), dtype=torch.uint8), BYTE_VOCAB, f"{len(files)} text file(s)")
 
 
 def token_file_stream(path, dtype):
@@ -60,12 +59,14 @@ def token_file_stream(path, dtype):
     path = os.path.expanduser(str(path))
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data.path {path!r} is not a file")
-    itemsize = np.dtype(TOKEN_DTYPES[dtype]).itemsize
+    itemsize = TOKEN_DTYPES[dtype].itemsize
     size = os.path.getsize(path)
     if size == 0 or size % itemsize:
         raise ConfigError(f"data.path {path!r} has {size} bytes, not a positive multiple of "
                          f"{itemsize} (data.dtype={dtype})")
-    return TokenStream(np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r"), None, path)
+    # shared=False maps the file privately: pages are read when a window touches them.
+    tokens = torch.from_file(path, shared=False, size=size // itemsize, dtype=TOKEN_DTYPES[dtype])
+    return TokenStream(tokens, None, path)
 
 
 class StreamSampler:
