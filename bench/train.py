@@ -191,25 +191,30 @@ def main():
     else:
         p.error("run under torchrun (torchrun --nproc_per_node=2 bench/train.py), or pass --tiny for the CPU run")
 
+    rows = {r["impl"]: r for r in result["rows"]}
     report = {"device": result["device"], "gpus": result["world"], "date": datetime.date.today().isoformat(),
               "commit": opts.commit, "torch": torch.__version__, "model": opts.model, "seq_len": opts.seq_len,
               "cp": result["world"], "dp_shard": 1, "global_batch": 1, "dtype": "fp32" if tiny else "bf16",
               "recompute": not opts.no_recompute, "steps": opts.steps, "warmup": opts.warmup,
               "rows": result["rows"], "torch_cp_failed": result["torch_cp_failed"]}
+    if "torch_cp" in rows:
+        # Same weights, same first batch: the two rings must agree on the first loss (bf16 noise).
+        a, b = rows["ringfa4"]["losses"][0], rows["torch_cp"]["losses"][0]
+        report["first_loss_rel_diff"] = abs(a - b) / abs(b)
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     Path(opts.out).write_text(json.dumps(report, indent=2) + "\n")
 
-    rows = {r["impl"]: r for r in result["rows"]}
     print(f"\n{opts.model}, {opts.seq_len} tokens/step, cp={result['world']} on {result['device']}, "
           f"{report['dtype']}, recompute={report['recompute']}, {opts.steps - opts.warmup} timed steps, commit {opts.commit}")
     print("| impl | backend | step s | tokens/s | TFLOP/s/GPU | MFU | peak mem GiB | loss first -> last |")
     print("|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-        print(f"| {r['impl']} | {r.get('backend', 'sdpa-cudnn' if not tiny else 'sdpa-math')} | {r['step_s']:.3f} | "
+        print(f"| {r['impl']} | {r.get('backend', 'cuDNN SDPA')} | {r['step_s']:.3f} | "
               f"{r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.2f} | {mfu} | {r['peak_mem_gib']:.1f} | "
               f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} |")
     if "torch_cp" in rows:
+        print(f"first-step loss ringfa4 vs torch_cp: relative difference {report['first_loss_rel_diff']:.2e}")
         print(f"ringfa4 / torch_cp tokens/s: {rows['ringfa4']['tokens_per_s'] / rows['torch_cp']['tokens_per_s']:.2f}x")
     print(f"wrote {opts.out}")
     if result["torch_cp_failed"]:
