@@ -136,5 +136,7 @@ def _train(cfg, settings, backend, sampler, device):
                     with open(metrics_path, "a") as f:
                         f.write(json.dumps(record) + "\n")
         if ckpt_dir and (step % train_cfg["checkpoint_interval"] == 0 or step == steps):
+            saving = time.perf_counter()
             checkpoint.save(ckpt_dir, step, model, optimizer, position, device, train_cfg["checkpoint_keep"])
+            last_time += time.perf_counter() - saving  # throughput counts training, not saving
     return losses
