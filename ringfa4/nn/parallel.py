@@ -20,14 +20,16 @@ def build_mesh(device_type, dp_shard, cp):
     node (or an NVL72 domain) the ring stays on its fastest links when cp divides its GPU count."""
     world = dist.get_world_size()
     if dp_shard * cp != world:
-        raise ValueError(f"parallel.dp_shard * parallel.cp = {dp_shard} * {cp} = {dp_shard * cp} "
-                         f"must equal the world size {world}")
+        raise ValueError(f"dp_shard * cp = {dp_shard} * {cp} = {dp_shard * cp} must equal the world size {world}")
     return init_device_mesh(device_type, (dp_shard, cp), mesh_dim_names=(DP_SHARD, CP))
 
 
-def parallelize(model, mesh, *, layout="zigzag", backend="auto", param_dtype=None,
-                reduce_dtype=torch.float32, activation_checkpointing=False):
+def parallelize(model, mesh, *, layout="zigzag", backend="auto", param_dtype=None, activation_checkpointing=False):
     """Make ``model`` (a ringfa4.nn.Transformer) train on ``mesh``; returns the model.
+
+    ``param_dtype`` (e.g. torch.bfloat16) is the compute dtype of parameters gathered for forward
+    and backward; the sharded masters keep their own dtype. Gradients are reduced in fp32 under
+    mixed precision, else in the parameters' dtype (fp64 stays fp64 for exact tests).
 
     Order matters and follows torchtitan: the ring group goes into every attention core,
     activation checkpointing wraps each block, then fully_shard shards each block (its own
@@ -41,7 +43,7 @@ def parallelize(model, mesh, *, layout="zigzag", backend="auto", param_dtype=Non
     # DeviceMesh._flatten is how torchtitan names the combined dimension; it reuses the mesh's
     # ranks in row-major order instead of building an unrelated world-sized mesh.
     shard_mesh = mesh[DP_SHARD, CP]._flatten(DP_SHARD_CP)
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=None if param_dtype is None else torch.float32)
     for block in model.layers:
         fully_shard(block, mesh=shard_mesh, mp_policy=policy)
     fully_shard(model, mesh=shard_mesh, mp_policy=policy)
