@@ -223,7 +223,8 @@ def main():
                 ring_ms = timer(ring)
                 with timeline.recording() as tl:
                     ring()
-                steps = summarize(tl.milliseconds()) if device.type == "cuda" else {}
+                by_rank = [None] * world
+                dist.all_gather_object(by_rank, summarize(tl.milliseconds()) if device.type == "cuda" else {})
                 row = dict(meta, seq=seq, causal=causal, heads=h, kv_heads=hk, head_dim=d, dtype=str(dtype).split(".")[-1],
                            backend=name, ringfa4_ms=round(ring_ms, 3), single_ms=round(single_ms, 3),
                            efficiency=round(single_ms / (world * ring_ms), 4),
@@ -234,7 +235,7 @@ def main():
                            torch_cp_rotate=cp_rotate, torch_cp_error=cp_error,
                            max_abs_diff_vs_single=float(f"{diff.item():.3g}"),
                            kv_bytes_per_step=2 * (seq // world) * hk * d * q.element_size(),
-                           step_ms=steps)
+                           step_ms=by_rank[0], step_ms_by_rank=by_rank)
                 if device.type == "cuda" and seq // world == 16384 and causal:
                     fused, eager = merge_microbench(timer, seq // world, h, d, device)
                     row.update(merge_fused_ms=round(fused, 4), merge_eager_ms=round(eager, 4))
@@ -258,20 +259,22 @@ def _tokens(n):
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
-def _mean(values):
-    return sum(values) / len(values) if values else float("nan")
+def _mean_ms(spans, key):
+    values = spans.get(key)
+    return f"{sum(values) / len(values):.2f}" if values else "-"
 
 
 def table(rows):
-    """Markdown: timings, efficiency, PyTorch's ring, and the per-step timeline (means over steps)."""
+    """Markdown: timings, efficiency, PyTorch's ring, and rank 0's per-step timeline (means over
+    steps; "-": no such transfer, e.g. no KV travels in a 2-rank backward)."""
     lines = ["| backend | seq | causal | heads/kv | ringfa4 ms | 1-GPU ms | efficiency | TFLOP/s/GPU | torch CP TFLOP/s/GPU | vs torch CP "
-             "| fwd step: compute / kv / merge ms | bwd step: compute / kv / dkv / last dkv wait ms |",
+             "| fwd step: compute / kv / merge ms | bwd step: compute / kv / dkv / dkv wait ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cp, s = r["torch_cp_tflops_per_gpu"], r["step_ms"]
         cp_cells = ("n/a", "n/a") if cp is None else (f"{cp:.0f}", f"{r['tflops_per_gpu'] / cp:.2f}x")
-        fwd = " / ".join(f"{_mean(s.get(k, [])):.2f}" for k in ("fwd_compute", "fwd_kv", "fwd_merge"))
-        bwd = " / ".join(f"{_mean(s.get(k, [])):.2f}" for k in ("bwd_compute", "bwd_kv", "bwd_dkv", "bwd_wait_dkv"))
+        fwd = " / ".join(_mean_ms(s, k) for k in ("fwd_compute", "fwd_kv", "fwd_merge"))
+        bwd = " / ".join(_mean_ms(s, k) for k in ("bwd_compute", "bwd_kv", "bwd_dkv", "bwd_wait_dkv"))
         lines.append(
             f"| {r['backend']} | {_tokens(r['seq'])} | {'yes' if r['causal'] else 'no'} | {r['heads']}/{r['kv_heads']} "
             f"| {r['ringfa4_ms']:.2f} | {r['single_ms']:.2f} | {r['efficiency']:.3f} | {r['tflops_per_gpu']:.0f} "

@@ -6,8 +6,9 @@ that follows (python -m ringfa4.plan --help).
 
 The model follows ringfa4.ring.attention step by step (zigzag layout, W ranks, local length L = S/W):
   forward  step i computes its block while the next KV block (2*L*hk*d elements) travels;
-  backward step i computes while its KV block and the previous step's dK/dV sums travel (one NCCL
-           stream: their times add; sums in fp32 for W > 2); the last dK/dV hop (input dtype) is exposed.
+  backward visits the blocks in reverse, starting on the forward's last block and ending on the local
+           one: step j computes while the next block (for j + 2 < W) and the previous step's dK/dV sums
+           (j >= 1; fp32 for W > 2) travel, on one NCCL stream, so their times add. Nothing is exposed.
   A step costs max(compute, transfer); all ranks step together, so every hop runs at the slowest
   link's speed (InfiniBand once W exceeds the NVLink domain). The ring's memory-bound passes (merge,
   casts, gradient sums) cost their bytes at the GPU's HBM bandwidth. efficiency = t(1 GPU) / (W * t(ring)).
@@ -214,14 +215,19 @@ class Prediction:
     world: int
     local: int
     link: Link
-    fwd_compute: list
+    fwd_compute: list  # ms per step
     bwd_compute: list
+    fwd_transfer: list  # ms of the transfers in flight during each step
+    bwd_transfer: list
     kv_ms: float
     dkv_ms: float
-    last_dkv_ms: float
     extra_ms: float
     ring_ms: float
     single_ms: float
+
+    def hidden(self):
+        pairs = zip(self.fwd_compute + self.bwd_compute, self.fwd_transfer + self.bwd_transfer)
+        return all(c >= t for c, t in pairs)
 
     @property
     def efficiency(self):
@@ -234,7 +240,8 @@ def single_ms(gpu, shape):
 
 
 def _extra_bytes(shape, L, steps, world, dq_adds):
-    """Bytes read + written by the memory-bound passes of ring/attention.py for one rank's steps.
+    """Bytes read + written by the memory-bound passes of ring/attention.py for one rank's steps
+    (steps[0] is the local one).
 
     Partial sums live in the input dtype for W = 2 and in fp32 otherwise (ring.attention._sum_dtype);
     dq_adds: the backend adds a fresh dq into the ring's fp32 one (fa4) instead of accumulating in
@@ -242,16 +249,17 @@ def _extra_bytes(shape, L, steps, world, dq_adds):
     h, hk, d, e = shape.heads, shape.kv_heads, shape.head_dim, shape.elem
     a = e if world == 2 else 4
     q_el, kv_el = L * h * d, 2 * L * hk * d
-    later = steps[1:]
+    remote = steps[1:]
     cast = 0 if a == e else e + a  # bytes per element of a cast between the two dtypes
     fwd = (q_el * cast  # step-0 output into the sum dtype
-           + sum(sq for sq, _, _ in later) * h * d * (a + e + a)  # fused merges: out, partial in; out back
+           + sum(sq for sq, _, _ in remote) * h * d * (a + e + a)  # fused merges: out, partial in; out back
            + q_el * cast)  # output cast
+    first_sk = remote[-1][1]  # the backward starts on the forward's last block
     bwd = (q_el * 4 + q_el * (4 + e)  # fp32 dq: zeros, final cast
            + (sum(sq for sq, _, _ in steps) * h * d * (4 + e + 4) if dq_adds else 0)  # dq += step gradient
-           + kv_el * cast  # step-0 dK/dV into the sum dtype
-           + sum(sk for _, sk, _ in later) * 2 * hk * d * (a + e + a)  # dK/dV sums
-           + kv_el * cast)  # last-hop cast
+           + (kv_el * cast if first_sk == L else kv_el * a + first_sk * 2 * hk * d * (a + e + a))  # sums start
+           + sum(sk for _, sk, _ in steps[:-1]) * 2 * hk * d * (a + e + a)  # dK/dV sums of later steps
+           + kv_el * cast)  # dK/dV cast
     return fwd + bwd
 
 
@@ -260,34 +268,34 @@ def predict(topo, shape, world):
     if world < 2:
         raise ValueError(f"world must be >= 2, got {world}")
     gpu, L = topo.gpu, shape.seq // world
-    h, hk, d, e = shape.heads, shape.kv_heads, shape.head_dim, shape.elem
-    # Per step (sq, sk, causal) of the slowest rank: zigzag gives every causal step L*L/2 pairs;
-    # of its two shapes, (L queries, L/2 keys) has the shorter kernel loop and merges all L rows.
+    hk, d, e = shape.kv_heads, shape.head_dim, shape.elem
+    # Per step (sq, sk, causal) of the slowest rank, local step first: zigzag gives every causal
+    # step L*L/2 pairs; of its two shapes, (L queries, L/2 keys) has the shorter kernel loop and
+    # merges all L rows.
     if shape.causal:
         steps = [(L, L, True)] + [(L, L // 2, False)] * (world - 1)
     else:
         steps = [(L, L, False)] * world
     fwd = [_kernel_ms(gpu, shape, "fwd", sq, sk, c) for sq, sk, c in steps]
-    bwd = [_kernel_ms(gpu, shape, "bwd", sq, sk, c) for sq, sk, c in steps]
+    # The backward visits the remote blocks first and the local one last.
+    bwd = [_kernel_ms(gpu, shape, "bwd", sq, sk, c) for sq, sk, c in steps[1:] + steps[:1]]
     link = topo.link(world)
     kv = link.ms(2 * L * hk * d * e)
     dkv = link.ms(2 * L * hk * d * (e if world == 2 else 4))
-    last = link.ms(2 * L * hk * d * e)
+    fwd_transfer = [kv] * (world - 1) + [0.0]
+    bwd_transfer = [(kv if j + 2 < world else 0.0) + (dkv if j >= 1 else 0.0) for j in range(world)]
     dq_adds = topo.backend != "cute"
     extra = max(_extra_bytes(shape, L, s, world, dq_adds) for s in (steps, [(sk, sq, c) for sq, sk, c in steps]))
     extra_ms = _hbm_ms(gpu, extra)
-    n = world
-    ring = (sum(max(c, kv) for c in fwd[:n - 1]) + fwd[-1]
-            + max(bwd[0], kv) + sum(max(c, kv + dkv) for c in bwd[1:n - 1]) + max(bwd[-1], dkv) + last
-            + extra_ms)
-    return Prediction(world, L, link, fwd, bwd, kv, dkv, last, extra_ms, ring, single_ms(gpu, shape))
+    ring = sum(max(c, t) for c, t in zip(fwd + bwd, fwd_transfer + bwd_transfer)) + extra_ms
+    return Prediction(world, L, link, fwd, bwd, fwd_transfer, bwd_transfer, kv, dkv, extra_ms, ring,
+                      single_ms(gpu, shape))
 
 
 def hiding_chunk(topo, shape, world):
     """Smallest local length (multiple of 2*128 tokens) at which every step's compute covers its transfers."""
     def hidden(L):
-        p = predict(topo, replace(shape, seq=L * world), world)
-        return min(p.fwd_compute[1:] or p.fwd_compute) >= p.kv_ms and min(p.bwd_compute) >= p.kv_ms + p.dkv_ms
+        return predict(topo, replace(shape, seq=L * world), world).hidden()
     step = 256
     hi = step
     while not hidden(hi):
@@ -319,15 +327,15 @@ def report(topo, shape, worlds, measured):
            f"   {'causal' if shape.causal else 'full'} attention, seq {shape.seq}, heads {shape.heads}/{shape.kv_heads}, "
            f"head_dim {shape.head_dim}, {shape.elem * 8}-bit; zigzag layout",
            "      W    local  link       fwd step ms (compute | kv)   bwd step ms (compute | kv+dkv)   "
-           "overhead ms  ring ms   1-GPU ms  efficiency"]
+           "memory ms    ring ms   1-GPU ms  efficiency"]
     for w in worlds:
         if shape.seq % (2 * w) or shape.seq // w < 256:
             out.append(f"   W={w}: seq {shape.seq} is not a multiple of {2 * w} with >= 256 tokens per rank, not modelled")
             continue
         p = predict(topo, shape, w)
         out.append(f"   {w:4d} {p.local:8d}  {'NVLink' if w <= topo.domain else 'IB':6s}   "
-                   f"{p.fwd_compute[-1]:8.3f} | {p.kv_ms:7.3f}            {p.bwd_compute[-1]:8.3f} | {p.kv_ms + p.dkv_ms:7.3f}"
-                   f"            {p.extra_ms + p.last_dkv_ms:7.3f}  {p.ring_ms:8.2f} {p.single_ms:9.2f}   {p.efficiency:6.3f}")
+                   f"{p.fwd_compute[-1]:8.3f} | {max(p.fwd_transfer):7.3f}            {p.bwd_compute[0]:8.3f} | "
+                   f"{max(p.bwd_transfer):7.3f}            {p.extra_ms:7.3f}  {p.ring_ms:8.2f} {p.single_ms:9.2f}   {p.efficiency:6.3f}")
     for label, w in (("NVLink", min(topo.domain, 2) if topo.domain > 1 else None), ("IB", topo.domain + 1)):
         if w is None or w < 2:
             continue

@@ -45,7 +45,9 @@ def test_a_slow_link_makes_the_ring_as_slow_as_its_transfers():
     topo = plan.presets()["ib-400g"]
     slow = replace(topo, network=replace(topo.network, gbps=0.01))  # 10 MB/s: transfers dominate
     p = plan.predict(slow, _shape(seq=8192), 4)
-    transfers = 4 * p.kv_ms + (p.kv_ms + p.dkv_ms) * 2 + p.dkv_ms + p.last_dkv_ms  # fwd 3, bwd 1 + 2 + 1 + last
+    # forward: kv during steps 0-2, step 3 computes alone; backward (remote blocks first, local last):
+    # kv during steps 0-1, the previous step's dK/dV during steps 1-3.
+    transfers = 3 * p.kv_ms + p.kv_ms + (p.kv_ms + p.dkv_ms) + 2 * p.dkv_ms
     assert p.ring_ms == pytest.approx(transfers + p.fwd_compute[-1] + p.extra_ms)
     assert p.efficiency < 0.01
 
@@ -61,8 +63,8 @@ def test_hiding_chunk_is_the_smallest_length_whose_compute_covers_every_transfer
     chunk = plan.hiding_chunk(topo, shape, 2)
 
     def hidden(local):
-        p = plan.predict(topo, replace(shape, seq=2 * local), 2)
-        return min(p.fwd_compute) >= p.kv_ms and min(p.bwd_compute) >= p.kv_ms + p.dkv_ms
+        p = plan.predict(topo, replace(shape, seq=2 * local), 2)  # W=2: fwd step 0 kv, bwd step 1 dK/dV
+        return p.fwd_compute[0] >= p.kv_ms and p.bwd_compute[1] >= p.dkv_ms
 
     assert chunk % 256 == 0 and hidden(chunk) and not hidden(chunk - 256)
 

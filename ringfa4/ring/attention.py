@@ -1,8 +1,16 @@
 """Forward and backward rings, and the autograd.Function that joins them.
 
-Buffers: the caller's k, v are sent at step 0 and never written; two more KV buffers, allocated once
-per call, alternate as receive targets (step i receives into the one that step i-1 computed on). Every transfer is posted before the step's compute and
-waited for (by the compute stream, not the host) after it, so it runs behind that compute.
+Forward: at step i rank r holds the KV block of rank r - i. The caller's k, v are sent at step 0
+and never written; up to two more KV buffers, allocated once per call, alternate as receive targets
+(step i receives into the one that step i-1 computed on). Every transfer is posted before the
+step's compute and waited for (by the compute stream, not the host) after it, so it runs behind
+that compute.
+
+Backward: the ring turns around and visits the blocks in the opposite order, ending on the local
+one: step j holds the block of rank r + 1 + j. Its first block is the one the forward ended with
+(kept for it), its last is the rank's own, so for W ranks only W - 2 KV blocks travel. The dK/dV
+sums of a block go round with it and reach home during the local step, whose compute hides that
+last transfer as well: no transfer is left exposed.
 """
 import torch
 
@@ -10,10 +18,6 @@ from ringfa4.ring import timeline
 from ringfa4.ring.comm import Ring
 from ringfa4.ring.merge import merge_
 from ringfa4.ring.schedule import plan
-
-
-def _source(rank, step, world):
-    return (rank - step) % world
 
 
 def _empty_like(tensors, dtype=None):
@@ -31,13 +35,15 @@ def _sum_dtype(x, lse, world):
 
 
 def ring_forward(backend, q, k, v, causal, softmax_scale, group, rank, world, layout):
+    """(out, lse, the last KV block held), the block being what the backward starts with."""
     ring = Ring(group, q.device)
     kv = [k.contiguous(), v.contiguous()]
-    targets = (_empty_like(kv), _empty_like(kv))
+    targets = [_empty_like(kv) for _ in range(min(2, world - 1))]
     out = lse = None
     for i in range(world):
-        works = ring.start(kv, targets[i % 2], span=("fwd", i, "kv")) if i + 1 < world else []
-        step = plan(rank, _source(rank, i, world), layout, causal, q.shape[1])
+        last = i + 1 == world
+        works = ring.start(kv, targets[i % 2], span=("fwd", i, "kv")) if not last else []
+        step = plan(rank, (rank - i) % world, layout, causal, q.shape[1])
         started = timeline.begin(q.device)
         if step is not None:
             o, l = backend.forward(q[:, step.q], kv[0][:, step.kv], kv[1][:, step.kv], step.causal, softmax_scale)
@@ -48,31 +54,31 @@ def ring_forward(backend, q, k, v, causal, softmax_scale, group, rank, world, la
                 merge_(out[:, step.q], lse[:, :, step.q], o, l)
                 timeline.end(merging, "fwd", i, "merge")
         timeline.end(started, "fwd", i, "compute")
-        ring.wait(works)
-        kv = targets[i % 2]
-    return out.to(q.dtype), lse
+        if not last:
+            ring.wait(works)
+            kv = targets[i % 2]
+    return out.to(q.dtype), lse, kv
 
 
-def ring_backward(backend, dout, q, k, v, out, lse, causal, softmax_scale, group, rank, world, layout,
-                  deterministic):
-    """dq stays home in fp32 (the backend adds each step into it; own kernels do so in place); each
-    KV block travels with its dK/dV sums, which arrive home after W steps.
+def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_scale, group, rank, world,
+                  layout, deterministic):
+    """dq stays home in fp32 (the backend adds each step into it; own kernels do so in place).
 
-    A step asks the backend for fresh dK/dV of its block (no buffer to zero) while the block's
-    sums are still in flight from the previous rank, and adds them once they have arrived. The last
-    hop carries the finished sums already in the input dtype: home adds nothing more to them, so the
-    rounding is the same and the one transfer nothing hides is as small as the KV block.
+    A step asks the backend for fresh dK/dV of its block (no buffer to zero) while the sums of that
+    block are still in flight from the next rank, and adds them once they have arrived. The local
+    step ends the sums of the rank's own block: they are the result.
     """
-    ring = Ring(group, q.device)
-    kv = [k.contiguous(), v.contiguous()]
-    targets = (_empty_like(kv), _empty_like(kv))
+    ring = Ring(group, q.device, reverse=True)
+    kv = kv_first
+    targets = [_empty_like(kv) for _ in range(min(2, world - 2))]
     dq = torch.zeros_like(q, dtype=lse.dtype)  # fp32, or fp64 for fp64 inputs
     dkv = inbox = None
     dkv_works = []
-    for i in range(world):
-        last = i + 1 == world
-        kv_works = ring.start(kv, targets[i % 2], span=("bwd", i, "kv")) if not last else []
-        step = plan(rank, _source(rank, i, world), layout, causal, q.shape[1])
+    for j in range(world):
+        local = j + 1 == world
+        # The block of step j + 1 travels during step j; the local one is already here.
+        kv_works = ring.start(kv, targets[j % 2], span=("bwd", j, "kv")) if j + 2 < world else []
+        step = plan(rank, (rank + 1 + j) % world, layout, causal, q.shape[1])
         started = timeline.begin(q.device)
         grads = None
         if step is not None:
@@ -81,33 +87,38 @@ def ring_backward(backend, dout, q, k, v, out, lse, causal, softmax_scale, group
                 dout[:, rows], q[:, rows], kv[0][:, step.kv], kv[1][:, step.kv], out[:, rows],
                 lse[:, :, rows], step.causal, softmax_scale, dq=dq[:, rows], deterministic=deterministic,
             )
-        if i == 0:  # the local block covers every key row: its dK/dV start the sums
-            dkv = [g.to(_sum_dtype(g, lse, world)) for g in grads]
+        if j == 0:  # this block's sums start here
+            sum_dtype = _sum_dtype(kv[0], lse, world)
+            if step is not None and step.kv == slice(0, k.shape[1]):
+                dkv = [g.to(sum_dtype) for g in grads]
+            else:
+                dkv = [torch.zeros_like(t, dtype=sum_dtype) for t in kv]
+                if step is not None:
+                    for acc, g in zip(dkv, grads):
+                        acc[:, step.kv].add_(g)
             inbox = _empty_like(dkv)
-        timeline.end(started, "bwd", i, "compute")
-        if i > 0:
+        timeline.end(started, "bwd", j, "compute")
+        if j > 0:
+            waiting = timeline.begin(q.device)
             ring.wait(dkv_works)
+            timeline.end(waiting, "bwd", j, "wait_dkv")
             dkv, inbox = inbox, dkv
-            if grads is not None:
+            if step is not None:
                 for acc, g in zip(dkv, grads):
                     acc[:, step.kv].add_(g)
-        if last:
-            dkv, inbox = [t.to(k.dtype) for t in dkv], _empty_like(kv)
-        dkv_works = ring.start(dkv, inbox, tag=1, span=("bwd", i, "dkv"))
-        ring.wait(kv_works)
-        kv = targets[i % 2]
-    finished = timeline.begin(q.device)
-    ring.wait(dkv_works)
-    timeline.end(finished, "bwd", world, "wait_dkv")
-    dk, dv = inbox
-    return dq.to(q.dtype), dk, dv
+        if not local:
+            dkv_works = ring.start(dkv, inbox, tag=1, span=("bwd", j, "dkv"))
+            ring.wait(kv_works)
+            kv = targets[j % 2] if j + 2 < world else [k, v]
+    dk, dv = dkv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, backend, causal, softmax_scale, group, rank, world, layout, deterministic):
-        out, lse = ring_forward(backend, q, k, v, causal, softmax_scale, group, rank, world, layout)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse, (k_last, v_last) = ring_forward(backend, q, k, v, causal, softmax_scale, group, rank, world, layout)
+        ctx.save_for_backward(q, k, v, out, lse, k_last, v_last)
         ctx.args = (causal, softmax_scale, group, rank, world, layout, deterministic)
         ctx.backend = backend
         ctx.mark_non_differentiable(lse)
@@ -115,6 +126,6 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = ring_backward(ctx.backend, dout, q, k, v, out, lse, *ctx.args)
+        q, k, v, out, lse, k_last, v_last = ctx.saved_tensors
+        grads = ring_backward(ctx.backend, dout, q, k, v, out, lse, [k_last, v_last], *ctx.args)
         return grads + (None,) * 8

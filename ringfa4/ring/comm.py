@@ -20,11 +20,14 @@ def _comm_stream(device):
 
 
 class Ring:
-    def __init__(self, group, device):
+    """Sends go to the next rank and receives come from the previous one; ``reverse`` turns the ring around."""
+
+    def __init__(self, group, device, reverse=False):
         self.group = group
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        self.next = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
-        self.prev = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
+        step = -1 if reverse else 1
+        self.next = dist.get_global_rank(group, (rank + step) % world) if group is not None else (rank + step) % world
+        self.prev = dist.get_global_rank(group, (rank - step) % world) if group is not None else (rank - step) % world
         self.device = device
         self.stream = _comm_stream(device) if device.type == "cuda" else None
 

@@ -30,9 +30,16 @@ def _merge_into(out, lse, out_part, lse_part):
 
 @functools.cache
 def _fused():
-    # dynamic=True: one kernel serves every sequence length and every strided view (the ring
-    # merges whole local blocks and their halves); no recompiles inside a training run.
-    return torch.compile(_merge_into, fullgraph=True, dynamic=True)
+    return torch.compile(_merge_into, fullgraph=True)
+
+
+def _seq_dynamic(out, lse, out_part, lse_part):
+    """One compiled kernel per (batch, heads, head_dim) serves every sequence length and view (the
+    ring merges whole local blocks and halves of them). Only the sequence dimension is symbolic:
+    with heads and head_dim compile-time constants the kernel's index arithmetic stays cheap
+    (all-symbolic shapes cost it 64-bit divisions per element, measured 2-4x slower)."""
+    for t, dim in ((out, 1), (lse, 2), (out_part, 1), (lse_part, 2)):
+        torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
 def merge_(out, lse, out_part, lse_part):
@@ -43,4 +50,8 @@ def merge_(out, lse, out_part, lse_part):
     The arithmetic is in lse's dtype; out is rounded to its own dtype once, on the store.
     A side with lse = -inf (no visible key) gets weight 0; both -inf keeps -inf and out unchanged, never NaN.
     """
-    (_fused() if out.is_cuda else _merge_into)(out, lse, out_part, lse_part)
+    if out.is_cuda:
+        _seq_dynamic(out, lse, out_part, lse_part)
+        _fused()(out, lse, out_part, lse_part)
+    else:
+        _merge_into(out, lse, out_part, lse_part)
