@@ -137,8 +137,8 @@ FLAG_VARIANTS = [
     dict(ex2_fma_per16=16),
     dict(lpt=False),
     dict(lpt=True),
-    dict(num_stages=3),
-    dict(persistent=True),
+    dict(num_stages=3, tile_n=128),  # a third 176-key stage does not fit in shared memory
+    dict(persistent=True, tile_n=128),  # nor do persistent CTAs' separate O buffer with 176 keys
     dict(tile_n=128),
     dict(tile_n=176),
     dict(tile_n=192),
