@@ -37,7 +37,7 @@ def _seq_dynamic(out, lse, out_part, lse_part):
     """One compiled kernel per (batch, heads, head_dim) serves every sequence length and view (the
     ring merges whole local blocks and halves of them). Only the sequence dimension is symbolic, so
     heads and head_dim are compile-time constants in the kernel's index arithmetic: with every size
-    symbolic (dynamic=True) the in-ring merge ran 2.1-2.3x slower on 2 x H200 (bench/RESULTS.md)."""
+    symbolic (dynamic=True) the in-ring merge ran 2.1-2.4x slower on 2 x H200 (bench/RESULTS.md)."""
     for t, dim in ((out, 1), (lse, 2), (out_part, 1), (lse_part, 2)):
         torch._dynamo.maybe_mark_dynamic(t, dim)
 
