@@ -2,7 +2,7 @@
 that follows (python -m ringfa4.plan --help).
 
     python -m ringfa4.plan --preset gb200-nvl72 --heads 64 --kv-heads 8 --seq 1048576
-    python -m ringfa4.plan --preset all --heads 32 --kv-heads 8 --seq 131072
+    python -m ringfa4.plan --preset h200-x2 --heads 32 --kv-heads 8 --seq 32768 --worlds 2
 
 The model follows ringfa4.ring.attention step by step (zigzag layout, W ranks, local length L = S/W):
   forward  step i computes its block while the next KV block (2*L*hk*d elements) travels;
@@ -359,7 +359,8 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--seq", type=int, default=131072, help="total sequence length over the ring")
+    p.add_argument("--seq", type=int, default=9 << 17,
+                   help="total sequence length over the ring (default 1179648 = 9 x 128k: splits into 2 x 576 chunks)")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--dtype", default="bf16", help=f"one of {sorted(DTYPE_BYTES)}")
     p.add_argument("--backend", default="fa4", choices=("fa4", "cute"), help="whose kernel TFLOP/s to read from bench/results")
