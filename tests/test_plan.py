@@ -88,12 +88,78 @@ def test_results_files_calibrate_kernels_and_link_of_their_gpu_only(tmp_path):
 
 def test_measured_ring_rows_are_printed_beside_the_prediction(tmp_path, capsys):
     row = dict(device="NVIDIA H200", world=2, seq=32768, causal=True, heads=32, kv_heads=8, head_dim=128,
-               backend="fa4", efficiency=0.9, ringfa4_ms=30.0)
+               dtype="bfloat16", backend="fa4", efficiency=0.9, ringfa4_ms=30.0, single_ms=54.0)
     (tmp_path / "ring.json").write_text(json.dumps([row]))
     plan.main(["--preset", "h200-x2", "--results", str(tmp_path), "--worlds", "2"])
-    line = next(ln for ln in capsys.readouterr().out.splitlines() if "measured" in ln)
-    predicted = plan.predict(plan.presets()["h200-x2"], _shape(), 2).efficiency
-    assert "0.900 measured" in line and f"{predicted:.3f} predicted" in line
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.split()[:2] == ["fa4", "32768"])
+    p = plan.predict(plan.presets()["h200-x2"], _shape(), 2)
+    assert f"0.900 | {p.efficiency:.3f} ({p.efficiency / 0.9 - 1:+6.1%})" in line
+    assert f"30.00 | {p.ring_ms:7.2f}" in line and f"54.00 | {p.single_ms:7.2f}" in line
+
+
+def test_a_step_runs_at_the_kernel_speed_of_its_own_loop_length():
+    gpu, shape = plan.presets()["h200-x2"].gpu, _shape()
+    flops = 4 * 4096 * 8192 * 32 * 128
+    # forward: one CTA per query tile loops over the keys; backward: one per key tile, over the queries
+    assert plan._kernel_ms(gpu, shape, "fwd", 4096, 8192, False) == pytest.approx(
+        flops / gpu.kernel_tflops("fwd", False, 8192) / 1e9)
+    assert plan._kernel_ms(gpu, shape, "bwd", 4096, 8192, False) == pytest.approx(
+        2.5 * flops / gpu.kernel_tflops("bwd", False, 4096) / 1e9)
+
+
+def test_the_model_takes_each_ranks_steps_from_the_rings_schedule():
+    shape = _shape(seq=16384)  # W = 2: L = 8192 tokens per rank in two chunks of 4096
+    assert plan._rank_steps(shape, 2, 0) == [(8192, 8192, True), (4096, 8192, False)]
+    assert plan._rank_steps(shape, 2, 1) == [(8192, 8192, True), (8192, 4096, False)]
+    assert plan._rank_steps(replace(shape, causal=False), 2, 1) == [(8192, 8192, False)] * 2
+
+
+def test_kernel_curves_keep_the_best_reading_at_or_below_each_length(tmp_path):
+    rows = [dict(device="NVIDIA H200", direction=d, hdim=128, seq=s, causal=c, fa4_tflops=t, _file="kernels.json")
+            for d in ("fwd", "bwd") for c in (False, True) for s, t in ((4096, 500.0), (8192, 600.0), (16384, 550.0))]
+    topo = plan.calibrate(plan.presets()["h200-x2"], rows, "fa4", 128)
+    assert topo.gpu.tflops[("bwd", True)] == ((4096, 500.0), (8192, 600.0), (16384, 600.0))
+
+
+def _timeline_rows(topo, overhead, slope, seqs=(16384, 32768, 65536)):
+    """ring.json rows whose every step took overhead + slope * (the model's kernel + memory time)."""
+    rows = []
+    for seq in seqs:
+        shape = _shape(seq=seq)
+        by_rank = []
+        for rank in range(2):
+            fwd, bwd, _ = plan._rank_ms(topo, shape, 2, plan._rank_steps(shape, 2, rank))
+            by_rank.append(dict(fwd_compute=[overhead[0] + slope * t for t in fwd],
+                                bwd_compute=[overhead[1] + slope * t for t in bwd]))
+        rows.append(dict(device="NVIDIA H200", world=2, seq=seq, causal=True, heads=32, kv_heads=8, head_dim=128,
+                         dtype="bfloat16", backend="fa4", step_ms_by_rank=by_rank, _file="ring.json"))
+    return rows
+
+
+def test_step_overhead_is_the_intercept_of_the_measured_step_times():
+    topo = plan.presets()["h200-x2"]
+    rows = _timeline_rows(topo, overhead=(0.2, 0.3), slope=1.05)
+    overhead, slope, n = plan.fit_step_overhead(topo, rows)
+    assert overhead == pytest.approx((0.2, 0.3)) and slope == pytest.approx((1.05, 1.05)) and n == 3 * 2 * 4
+    rows[0]["step_ms_by_rank"][1]["bwd_compute"][0] += 5.0  # one slow step does not move the line
+    assert plan.fit_step_overhead(topo, rows)[0] == pytest.approx((0.2, 0.3))
+
+
+def test_calibrated_overhead_is_added_to_every_ring_step_but_not_to_the_1_gpu_call():
+    topo = plan.presets()["h200-x2"]
+    fitted = plan.calibrate(topo, _timeline_rows(topo, overhead=(0.2, 0.3), slope=1.0), "fa4", 128)
+    assert fitted.step_overhead_ms == pytest.approx((0.2, 0.3)) and "ring.json" in fitted.overhead_source
+    shape = _shape(seq=65536)
+    bare, charged = plan.predict(topo, shape, 2), plan.predict(fitted, shape, 2)
+    assert [b - a for a, b in zip(bare.fwd_compute + bare.bwd_compute, charged.fwd_compute + charged.bwd_compute)] \
+        == pytest.approx([0.2, 0.2, 0.3, 0.3])
+    assert charged.single_ms == bare.single_ms
+
+
+def test_a_fixed_step_overhead_does_not_count_as_hiding_transfers():
+    topo, shape = plan.presets()["ib-400g"], _shape()
+    slow_steps = replace(topo, step_overhead_ms=(100.0, 100.0))  # longer than any transfer
+    assert plan.hiding_chunk(slow_steps, shape, 2) == plan.hiding_chunk(topo, shape, 2)
 
 
 def test_cli_covers_every_preset_up_to_two_racks(tmp_path, capsys):
@@ -120,3 +186,11 @@ def test_bad_arguments_are_named_in_the_error(argv, needle, capsys):
     with pytest.raises(SystemExit):
         plan.main(argv)
     assert needle in capsys.readouterr().err
+
+
+def test_presets_without_a_timeline_of_their_gpu_assume_the_measured_overhead(tmp_path, capsys):
+    topo = plan.presets()["h200-x2"]
+    (tmp_path / "ring.json").write_text(json.dumps(_timeline_rows(topo, overhead=(0.2, 0.3), slope=1.0)))
+    plan.main(["--preset", "all", "--results", str(tmp_path), "--worlds", "8"])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "per-step overhead 0.200 ms forward, 0.300 ms" in ln]
+    assert len(lines) == len(plan.presets()) and sum("assumed as on H200" in ln for ln in lines) == len(lines) - 1
