@@ -31,7 +31,6 @@ import cutlass.pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
 from ringfa4.kernels import wgmma
 from ringfa4.kernels.softmax import LOG2_E
@@ -48,16 +47,6 @@ _WG_THREADS = 128
 def _seq_major(t: cute.Tensor) -> cute.Tensor:
     """(b, s, h, d) -> (s, d, h, b): the two tiled modes first, as TMA and local_tile want."""
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
-
-
-def _row_major_smem(dtype, rows: int, cols: int, stages: Optional[int] = None):
-    """Swizzled (rows, cols[, stages]) tile, cols contiguous; read both K- and MN-major by wgmma."""
-    atom = warpgroup.make_smem_layout_atom(
-        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
-    )
-    if stages is None:
-        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
-    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
 def _transpose(t: cute.Tensor) -> cute.Tensor:
@@ -120,12 +109,12 @@ class AttentionBackwardSm90:
     # ---------------------------------------------------------------- host side (traced once)
     def _layouts(self):
         d = self.head_dim
-        self.sQ_layout = _row_major_smem(self.dtype, self.tile_m, d, self.stages)
-        self.sdO_layout = _row_major_smem(self.dtype, self.tile_m, d, self.stages)
-        self.sK_layout = _row_major_smem(self.dtype, self.tile_n, d)
-        self.sV_layout = _row_major_smem(self.dtype, self.tile_n, d)
-        self.sdS_layout = _row_major_smem(self.dtype, self.tile_m, self.tile_n, self.stages)
-        self.sdQ_layout = _row_major_smem(Float32, self.dq_rows, self.dq_cols, _NUM_MMA_WG)
+        self.sQ_layout = wgmma.smem_layout(self.dtype, self.tile_m, d, self.stages)
+        self.sdO_layout = wgmma.smem_layout(self.dtype, self.tile_m, d, self.stages)
+        self.sK_layout = wgmma.smem_layout(self.dtype, self.tile_n, d)
+        self.sV_layout = wgmma.smem_layout(self.dtype, self.tile_n, d)
+        self.sdS_layout = wgmma.smem_layout(self.dtype, self.tile_m, self.tile_n, self.stages)
+        self.sdQ_layout = wgmma.smem_layout(Float32, self.dq_rows, self.dq_cols, _NUM_MMA_WG)
 
     def _mmas(self):
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN

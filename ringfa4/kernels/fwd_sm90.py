@@ -31,7 +31,6 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
-from cutlass.tensor_utils import LayoutEnum
 
 from ringfa4.kernels import wgmma
 from ringfa4.kernels.softmax import (
@@ -98,15 +97,6 @@ class FwdSm90Config:
         )
 
 
-def _smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
-    atom = warpgroup.make_smem_layout_atom(
-        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
-    )
-    if stages is None:
-        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
-    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
-
-
 def _permute(t: cute.Tensor, modes) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
@@ -159,9 +149,9 @@ class FwdSm90:
             atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.d),
             a_source=warpgroup.OperandSource.RMEM,
         )
-        sQ_layout = _smem_layout(dt, self.tile_m, self.d)
-        sK_layout = _smem_layout(dt, self.tile_n, self.d, self.stages)
-        sV_layout = _smem_layout(dt, self.tile_n, self.d, self.stages)
+        sQ_layout = wgmma.smem_layout(dt, self.tile_m, self.d)
+        sK_layout = wgmma.smem_layout(dt, self.tile_n, self.d, self.stages)
+        sV_layout = wgmma.smem_layout(dt, self.tile_n, self.d, self.stages)
         sO_layout = sQ_layout
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()

@@ -1,8 +1,24 @@
-"""Warpgroup matrix-multiply helpers shared by the Hopper forward and backward kernels."""
+"""Warpgroup matrix-multiply helpers (operand layouts, the wgmma call) shared by the Hopper forward and
+backward kernels."""
+from typing import Optional
+
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import const_expr
 from cutlass.cute.nvgpu import warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+
+def smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
+    """Swizzled (rows, cols[, stages]) shared-memory tile, cols contiguous: what TMA writes and
+    wgmma reads, K-major or MN-major alike."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
+    )
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
 @cute.jit
