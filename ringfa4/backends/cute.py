@@ -8,15 +8,22 @@ import torch
 
 HEAD_DIMS = (64, 128)
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-_ALIGN_ELEMS = 8  # TMA: 16-byte aligned base and strides
+
+
+def tma_compatible(t):
+    """TMA (the kernels' loads and stores) needs a contiguous last dim and a 16-byte aligned
+    base and strides."""
+    align = 16 // t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(s % align == 0 for s in t.stride()[:-1]))
 
 
 def _layout_reason(name, t):
     if t.stride(-1) != 1:
         return f"{name} must have a contiguous head dimension (stride 1), got strides {t.stride()}"
-    if any(s % _ALIGN_ELEMS for s in t.stride()[:-1]) or t.data_ptr() % 16:
+    if not tma_compatible(t):
         return (f"{name} needs a 16-byte aligned start and strides that are multiples of "
-                f"{_ALIGN_ELEMS} elements (TMA), got strides {t.stride()}")
+                f"{16 // t.element_size()} elements (TMA), got strides {t.stride()}")
     return None
 
 

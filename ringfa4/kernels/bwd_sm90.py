@@ -32,6 +32,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
+from ringfa4.backends.cute import tma_compatible
 from ringfa4.kernels import wgmma
 from ringfa4.kernels.softmax import LOG2_E
 
@@ -609,13 +610,6 @@ def _check(name, t, shape, dtypes):
         raise ValueError(f"{name} must have dtype in {dtypes}, got {t.dtype}")
 
 
-def _tma_ok(t) -> bool:
-    """TMA needs a contiguous last dim and 16-byte aligned base and strides."""
-    align = 16 // t.element_size()
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all(s % align == 0 for s in t.stride()[:-1]))
-
-
 def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, dv=None,
              deterministic=False):
     """Gradients of attention with the softmax normalised by the given lse (natural log,
@@ -646,9 +640,9 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         raise ValueError(f"empty input: batch {b}, seq_q {sq}, seq_k {sk}")
     q, k, v, out, lse = (t.detach() for t in (q, k, v, out, lse))
     # Autograd may hand over any layout of dout (a broadcast one for loss = out.sum()).
-    dout = dout.detach() if _tma_ok(dout) else dout.detach().contiguous()
+    dout = dout.detach() if tma_compatible(dout) else dout.detach().contiguous()
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not _tma_ok(t):
+        if not tma_compatible(t):
             raise ValueError(f"{name} needs a contiguous head dim and 16-byte aligned strides, "
                              f"got strides {t.stride()}")
     for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
@@ -665,13 +659,13 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     lse2 = torch.empty((b, h, n_m * tile_m), dtype=torch.float32, device=dev)
     delta = torch.empty((b, h, n_m * tile_m), dtype=torch.float32, device=dev)
     compile_variant(BwdPreprocessConfig(dtype, d))(
-        out if _tma_ok(out) else out.contiguous(), dout,
+        out if tma_compatible(out) else out.contiguous(), dout,
         lse if lse.stride(-1) == 1 else lse.contiguous(), lse2, delta)
 
-    dq_acc = dq if dq is not None and dq.dtype == torch.float32 and _tma_ok(dq) else None
+    dq_acc = dq if dq is not None and dq.dtype == torch.float32 and tma_compatible(dq) else None
     if dq_acc is None:
         dq_acc = torch.zeros((b, sq, h, d), dtype=torch.float32, device=dev)
-    dkv_fp32 = all(t is not None and t.dtype == torch.float32 and _tma_ok(t) for t in (dk, dv))
+    dkv_fp32 = all(t is not None and t.dtype == torch.float32 and tma_compatible(t) for t in (dk, dv))
     if dkv_fp32:
         dk_out, dv_out = dk, dv
     else:
