@@ -413,8 +413,8 @@ def report(topo, shape, worlds, measured):
            f"   {nv.name}: {nv.gbps:.0f} GB/s + {nv.latency_ms * 1e3:.0f} us per transfer ({nv.source})",
            f"   {net.name}: {net.gbps:.0f} GB/s + {net.latency_ms * 1e3:.0f} us per transfer ({net.source})",
            f"   HBM {g.hbm_gbps:.0f} GB/s nominal, {HBM_EFFICIENCY:.0%} reached by the ring's memory-bound passes",
-           f"   kernel time of a step: its FLOPs at the TFLOP/s of its own loop length (keys per query tile forward, "
-           f"queries per key tile backward)",
+           "   kernel time of a step: its FLOPs at the TFLOP/s of its own loop length (keys per query tile forward, "
+           "queries per key tile backward)",
            f"   per-step overhead {topo.step_overhead_ms[0]:.3f} ms forward, {topo.step_overhead_ms[1]:.3f} ms backward "
            f"({topo.overhead_source}); not charged to the 1-GPU call: the kernel rows time whole calls",
            f"   {'causal' if shape.causal else 'full'} attention, seq {shape.seq}, heads {shape.heads}/{shape.kv_heads}, "
