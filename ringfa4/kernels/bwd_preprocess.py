@@ -1,6 +1,8 @@
-"""Backward preprocess: delta = rowsum(dO * O) in fp32 and the lse in log2 units, written as
+"""Backward preprocess: delta = softmax_scale * rowsum(dO * O) in fp32 and the lse in log2 units,
+written as
 (b, h, s_pad) fp32 rows padded to whole query tiles of the backward kernel (which loads them by
-TMA). Rows that see no key (lse = -inf) and pad rows get lse +inf, so that P = exp2(S - lse)
+TMA). delta carries the softmax scale so that the kernel's dS = P * (dP * scale - delta) is already
+scaled: dQ and dK then need no multiply of their own. Rows that see no key (lse = -inf) and pad rows get lse +inf, so that P = exp2(S - lse)
 is exactly 0 there instead of NaN.
 
 Eight threads share one row (head_dim / 8 contiguous elements each, 16-byte loads) and add
@@ -27,15 +29,15 @@ class BwdPreprocess:
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
-                 mDelta: cute.Tensor, stream):
+                 mDelta: cute.Tensor, softmax_scale: Float32, stream):
         """o, dout (b, s, h, d); lse (b, h, s) fp32; lse2, delta (b, h, s_pad) fp32 outputs."""
         grid = (cute.ceil_div(mDelta.shape[2], _ROWS), mO.shape[2], mO.shape[0])
-        self.kernel(mO, mdO, mLSE, mLSE2, mDelta).launch(
+        self.kernel(mO, mdO, mLSE, mLSE2, mDelta, Float32(softmax_scale)).launch(
             grid=grid, block=[_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
-               mDelta: cute.Tensor):
+               mDelta: cute.Tensor, softmax_scale: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row_block, head, batch = cute.arch.block_idx()
         row = row_block * _ROWS + tidx // _THREADS_PER_ROW
@@ -59,7 +61,7 @@ class BwdPreprocess:
                 lse = mLSE[batch, head, row]
                 lse2 = Float32.inf if lse == -Float32.inf else lse * LOG2_E
             mLSE2[batch, head, row] = lse2
-            mDelta[batch, head, row] = delta
+            mDelta[batch, head, row] = delta * softmax_scale
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,6 @@ class BwdPreprocessConfig:
 
         return BwdPreprocess(dt, self.head_dim), (
             fake_bshd(dt, b, s, h, self.head_dim), fake_bshd(dt, b, s, h, self.head_dim),
-            stats(s), stats(s_pad), stats(s_pad),
+            stats(s), stats(s_pad), stats(s_pad), Float32(1.0),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
         )

@@ -5,16 +5,19 @@ query tile that sees it (of every query head sharing that kv head, so GQA needs 
 reduction), recomputing P from the lse it is given:
 
     S^T = K Q^T          P^T = exp2(S^T * scale * log2(e) - lse * log2(e))
-    dP^T = V dO^T        dS^T = P^T * (dP^T - delta),  delta = rowsum(dO * O)
+    dP^T = V dO^T        dS^T = P^T * (dP^T * scale - delta),  delta = scale * rowsum(dO * O)
     dV += P^T dO         dK += dS^T Q          dQ += dS K  (fp32, TMA reduce-add into global)
+
+(dS carries the softmax scale, so dQ and dK need no multiply of their own.)
 
 Warp roles (384 threads): warp 0 loads Q, dO, lse, delta through a two-stage TMA pipeline;
 warp 1 reduces each dQ tile into global memory (cp.reduce.async.bulk.tensor add); warp groups
 1 and 2 each own 64 rows of the K/V block for S, dP, dV and dK, and half of the dQ tile. S and
 dP are computed transposed so that P^T and dS^T stay in registers as the A operand of the dV
 and dK products; only dS goes through shared memory (for dQ). dK and dV stay in registers
-until the CTA is done and are then written (or added, into fp32 buffers) once; no other CTA
-touches them. delta and the lse in log2 units come from bwd_preprocess.py.
+until the CTA is done; then they are staged in the idle Q/dO/K/V tiles and written (or added,
+into fp32 buffers) by two TMA bulk copies, whole 128-byte lines instead of scattered per-thread
+stores. No other CTA touches them. delta and the lse in log2 units come from bwd_preprocess.py.
 
 Deterministic mode orders the dQ reductions: the reduction of KV block j into a dQ tile waits
 on a per-tile counter until the blocks before it in a fixed order have landed (ascending, or
@@ -40,6 +43,7 @@ from ringfa4.kernels.softmax import LOG2_E
 _BAR_PDS = 1  # dS tile of both MMA warp groups is in shared memory
 _BAR_DQ_FULL = 2  # + warp group: its dQ part is in shared memory (MMA WG -> dQ warp)
 _BAR_DQ_EMPTY = 4  # + warp group: its dQ buffer may be overwritten (dQ warp -> MMA WG)
+_BAR_EPILOGUE = 6  # MMA warp groups: the tiles are free for / hold the staged dK, dV
 
 _NUM_MMA_WG = 2
 _WG_THREADS = 128
@@ -48,6 +52,11 @@ _WG_THREADS = 128
 def _seq_major(t: cute.Tensor) -> cute.Tensor:
     """(b, s, h, d) -> (s, d, h, b): the two tiled modes first, as TMA and local_tile want."""
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+
+
+def _carve(ptr, layout: cute.ComposedLayout, dtype) -> cute.Tensor:
+    """The swizzled shared-memory tile ``layout`` of ``dtype`` elements at ``ptr``."""
+    return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=dtype), layout.outer)
 
 
 def _transpose(t: cute.Tensor) -> cute.Tensor:
@@ -116,6 +125,7 @@ class AttentionBackwardSm90:
         self.sV_layout = wgmma.smem_layout(self.dtype, self.tile_n, d)
         self.sdS_layout = wgmma.smem_layout(self.dtype, self.tile_m, self.tile_n, self.stages)
         self.sdQ_layout = wgmma.smem_layout(Float32, self.dq_rows, self.dq_cols, _NUM_MMA_WG)
+        self.sdKV_layout = wgmma.smem_layout(self.dkv_dtype, self.tile_n, d)
 
     def _mmas(self):
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
@@ -138,6 +148,11 @@ class AttentionBackwardSm90:
     def _storage(self):
         d_q, d_k, d_s = (cute.cosize(l) for l in (self.sQ_layout, self.sK_layout, self.sdS_layout))
         stats = self.tile_m * self.stages
+        # Q, dO, K, V back to back, in elements of dtype; the dK/dV epilogue reuses the region.
+        self.tile_offsets = (0, d_q, 2 * d_q, 2 * d_q + d_k)
+        tile_elems = 2 * d_q + 2 * d_k
+        self.sdKV_elems = cute.cosize(self.sdKV_layout) * self.dkv_dtype.width // self.dtype.width
+        assert 2 * self.sdKV_elems <= tile_elems, "dK and dV staging must fit in the Q/dO/K/V tiles"
 
         @cute.struct
         class Storage:
@@ -146,10 +161,7 @@ class AttentionBackwardSm90:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 1]
             lse: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
             delta: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
-            q: cute.struct.Align[cute.struct.MemRange[self.dtype, d_q], 1024]
-            do: cute.struct.Align[cute.struct.MemRange[self.dtype, d_q], 1024]
-            k: cute.struct.Align[cute.struct.MemRange[self.dtype, d_k], 1024]
-            v: cute.struct.Align[cute.struct.MemRange[self.dtype, d_k], 1024]
+            tiles: cute.struct.Align[cute.struct.MemRange[self.dtype, tile_elems], 1024]
             ds: cute.struct.Align[cute.struct.MemRange[self.dtype, d_s], 1024]
             dq: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(self.sdQ_layout)], 1024]
 
@@ -198,6 +210,11 @@ class AttentionBackwardSm90:
         tma_dq, tdQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, cute.select(self.sdQ_layout, mode=[0, 1]),
             (self.dq_rows, self.dq_cols))
+        # dK, dV: one owner CTA per block, so "add into" fp32 buffers is a plain reduce-add.
+        s2g = (cpasync.CopyBulkTensorTileS2GOp() if const_expr(self.dkv_dtype == self.dtype)
+               else cpasync.CopyReduceBulkTensorTileS2GOp())
+        tma_dk, tdK = cpasync.make_tiled_tma_atom(s2g, mdK, self.sdKV_layout, (self.tile_n, d))
+        tma_dv, tdV = cpasync.make_tiled_tma_atom(s2g, mdV, self.sdKV_layout, (self.tile_n, d))
 
         tile_bytes = self.dtype.width // 8 * d
         self.bytes_q = self.tile_m * tile_bytes + self.tile_m * 4
@@ -207,24 +224,26 @@ class AttentionBackwardSm90:
         grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), num_kv_heads,
                 cute.size(mK.shape[3]))
         self.kernel(
-            tQ, tK, tV, tdO, tLSE, tDelta, tdQ, mdK, mdV, mSem,
-            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dq,
+            tQ, tK, tV, tdO, tLSE, tDelta, tdQ, tdK, tdV, mSem,
+            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dq, tma_dk, tma_dv,
             Float32(softmax_scale), Float32(softmax_scale * LOG2_E),
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout, self.sdS_layout,
-            self.sdQ_layout, self.mma_sdp, self.mma_dkv, self.mma_dq, self.mma_dq_wg, Storage,
+            self.sdQ_layout, self.sdKV_layout, self.mma_sdp, self.mma_dkv, self.mma_dq, self.mma_dq_wg, Storage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
     def kernel(self, tQ: cute.Tensor, tK: cute.Tensor, tV: cute.Tensor, tdO: cute.Tensor,
-               tLSE: cute.Tensor, tDelta: cute.Tensor, tdQ: cute.Tensor, mdK: cute.Tensor,
-               mdV: cute.Tensor, mSem: Optional[cute.Tensor],
+               tLSE: cute.Tensor, tDelta: cute.Tensor, tdQ: cute.Tensor, tdK: cute.Tensor,
+               tdV: cute.Tensor, mSem: Optional[cute.Tensor],
                tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
                tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_delta: cute.CopyAtom,
-               tma_dq: cute.CopyAtom, softmax_scale: Float32, scale_log2: Float32,
+               tma_dq: cute.CopyAtom, tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom,
+               softmax_scale: Float32, scale_log2: Float32,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
+               sdKV_layout: cute.ComposedLayout,
                mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
                mma_dq_wg: cute.TiledMma, Storage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -237,7 +256,7 @@ class AttentionBackwardSm90:
             n_block = num_n_blocks - 1 - n_block
 
         if warp_idx == 0:
-            for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dq):
+            for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dq, tma_dk, tma_dv):
                 cpasync.prefetch_descriptor(atom)
 
         smem = cutlass.memory.SmemAllocator()
@@ -258,10 +277,10 @@ class AttentionBackwardSm90:
             producer_group=producer, consumer_group=consumer, tx_count=self.bytes_q,
             defer_sync=False)
 
-        sQ = st.q.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = st.do.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
-        sK = st.k.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = st.v.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        tiles = st.tiles.data_ptr()
+        sQ, sdO, sK, sV = (
+            _carve(tiles + offset, layout, self.dtype)
+            for offset, layout in zip(self.tile_offsets, (sQ_layout, sdO_layout, sK_layout, sV_layout)))
         sdS = st.ds.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE = st.lse.get_tensor(cute.make_layout((self.tile_m, self.stages)))
         sDelta = st.delta.get_tensor(cute.make_layout((self.tile_m, self.stages)))
@@ -291,10 +310,12 @@ class AttentionBackwardSm90:
                                kv_head * group, batch, m_block_min, steps_per_head, num_steps)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self._mma(sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ,
-                      mdK, mdV, pipe_q, pipe_do, mbar_kv, mma_sdp, mma_dkv, mma_dq, mma_dq_wg,
-                      tidx - _WG_THREADS, softmax_scale, scale_log2, seqlen_k, n_block,
-                      kv_head, batch, m_block_min, steps_per_head, num_steps)
+            acc_dK, acc_dV = self._mma(
+                sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, pipe_q, pipe_do, mbar_kv, mma_sdp,
+                mma_dkv, mma_dq, mma_dq_wg, tidx - _WG_THREADS, softmax_scale, scale_log2,
+                seqlen_k, n_block, m_block_min, steps_per_head, num_steps)
+            self._epilogue_dkv(acc_dK, acc_dV, tiles, sdKV_layout, tdK, tdV, tma_dk, tma_dv,
+                               mma_dkv, tidx - _WG_THREADS, n_block, kv_head, batch)
 
     @cute.jit
     def _load(self, tQ, tK, tV, tdO, tLSE, tDelta, sQ, sK, sV, sdO, sLSE, sDelta,
@@ -393,10 +414,11 @@ class AttentionBackwardSm90:
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
-    def _mma(self, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, mdK, mdV,
+    def _mma(self, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ,
              pipe_q, pipe_do, mbar_kv, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma,
              mma_dq: cute.TiledMma, mma_dq_wg: cute.TiledMma, tidx, softmax_scale, scale_log2,
-             seqlen_k, n_block, kv_head, batch, m_block_min, steps_per_head, num_steps):
+             seqlen_k, n_block, m_block_min, steps_per_head, num_steps):
+        """The main loop of the MMA warp groups; returns this thread's dK, dV accumulators."""
         d = self.head_dim
         wg = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
         wg_sdp = mma_sdp.get_slice(wg * _WG_THREADS)
@@ -474,13 +496,13 @@ class AttentionBackwardSm90:
             p = cute.make_rmem_tensor(acc_shape_s, self.dtype)
             p.store(acc_s.load().to(self.dtype))
 
-            # dS^T = P^T * (dP^T - delta)
+            # dS^T = P^T * (dP^T * scale - delta), delta already scaled
             warpgroup.wait_group(0)
             dp_mn = _acc_mn(acc_dp, transpose=True)
             for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
                 delta = sDelta[cS[r, 0][1], stage]
                 for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
-                    dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - delta)
+                    dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] * softmax_scale - delta)
             ds = cute.make_rmem_tensor(acc_shape_s, self.dtype)
             ds.store(acc_dp.load().to(self.dtype))
             # dS is double buffered by pipeline stage: the buffer written here was last read
@@ -501,7 +523,6 @@ class AttentionBackwardSm90:
                   zero_init=False, wait=1)
 
             # dQ part -> shared memory -> dQ warp, which adds it into global memory.
-            acc_dq.store(acc_dq.load() * softmax_scale)
             cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + wg, number_of_threads=_WG_THREADS + 32)
             cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dq), tdQs)
             cute.arch.fence_view_async_shared()
@@ -512,28 +533,42 @@ class AttentionBackwardSm90:
             pipe_q.consumer_release(state)
             state.advance()
 
-        acc_dK.store(acc_dK.load() * softmax_scale)
-        self._epilogue_dkv(acc_dK, mdK, mma_dkv, tidx, seqlen_k, n_block, kv_head, batch)
-        self._epilogue_dkv(acc_dV, mdV, mma_dkv, tidx, seqlen_k, n_block, kv_head, batch)
+        return acc_dK, acc_dV
 
     @cute.jit
-    def _epilogue_dkv(self, acc, mOut, mma_dkv: cute.TiledMma, tidx, seqlen_k, n_block,
-                      kv_head, batch):
-        """Write (or add, for fp32 buffers) this CTA's dK or dV block; rows past seqlen_k
-        are not touched. Each block belongs to exactly one CTA, so plain stores suffice."""
-        d = self.head_dim
-        thr = mma_dkv.get_slice(tidx)
-        gOut = cute.local_tile(mOut[None, None, kv_head, batch], (self.tile_n, d), (n_block, 0))
-        cOut = cute.local_tile(cute.make_identity_tensor((mOut.shape[0], d)), (self.tile_n, d),
-                               (n_block, 0))
-        tOut = thr.partition_C(gOut)
-        tcOut = thr.partition_C(cOut)
-        for i in cutlass.range(cute.size(acc), unroll_full=True):
-            if tcOut[i][0] < seqlen_k:
-                if const_expr(self.dkv_dtype == Float32):
-                    tOut[i] = tOut[i] + acc[i]
-                else:
-                    tOut[i] = acc[i].to(self.dkv_dtype)
+    def _epilogue_dkv(self, acc_dK, acc_dV, tiles, sdKV_layout: cute.ComposedLayout, tdK, tdV,
+                      tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, mma_dkv: cute.TiledMma,
+                      tidx, n_block, kv_head, batch):
+        """Stage dK and dV in the Q/dO/K/V tiles and store (or add, for fp32 buffers) them with
+        TMA; the tensor map clips rows past seqlen_k."""
+        # Both warp groups are past their last product (each dQ product reads all of K).
+        mma_threads = _NUM_MMA_WG * _WG_THREADS
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=mma_threads)
+        sdV = _carve(tiles, sdKV_layout, self.dkv_dtype)
+        sdK = _carve(tiles + self.sdKV_elems, sdKV_layout, self.dkv_dtype)
+        if const_expr(self.dkv_dtype.width == 16):
+            r2s = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                      self.dkv_dtype)
+        else:
+            r2s = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
+        thr_r2s = cute.make_tiled_copy_C(r2s, mma_dkv).get_slice(tidx)
+        for acc, sOut in ((acc_dV, sdV), (acc_dK, sdK)):
+            frag = cute.make_rmem_tensor(acc.shape, self.dkv_dtype)
+            frag.store(acc.load().to(self.dkv_dtype))
+            cute.copy(thr_r2s, thr_r2s.retile(frag), thr_r2s.partition_D(sOut))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=mma_threads)
+        if cute.arch.make_warp_uniform(tidx // 32) == 0:
+            one = cute.make_layout(1)
+            for tma, gOut, sOut in ((tma_dv, tdV, sdV), (tma_dk, tdK, sdK)):
+                g = cute.local_tile(gOut[None, None, kv_head, batch], (self.tile_n, self.head_dim),
+                                    (n_block, 0))
+                s_t, g_t = cpasync.tma_partition(tma, 0, one, cute.group_modes(sOut, 0, 2),
+                                                 cute.group_modes(g, 0, 2))
+                cute.copy(tma, s_t, g_t)
+            cute.arch.cp_async_bulk_commit_group()
+            # Shared memory must outlive the reads of the copies.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 # ---------------------------------------------------------------- compilation
@@ -660,7 +695,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     delta = torch.empty((b, h, n_m * tile_m), dtype=torch.float32, device=dev)
     compile_variant(BwdPreprocessConfig(dtype, d))(
         out if tma_compatible(out) else out.contiguous(), dout,
-        lse if lse.stride(-1) == 1 else lse.contiguous(), lse2, delta)
+        lse if lse.stride(-1) == 1 else lse.contiguous(), lse2, delta, float(softmax_scale))
 
     dq_acc = dq if dq is not None and dq.dtype == torch.float32 and tma_compatible(dq) else None
     if dq_acc is None:
