@@ -33,7 +33,6 @@ descending for causal so that no CTA waits for the long-running low blocks). CTA
 with the KV block as the fastest grid index, in that same order, so a CTA only ever waits on
 CTAs launched before it.
 """
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -41,7 +40,6 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-import torch
 from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
@@ -676,43 +674,24 @@ def _dq_digits(acc, tile_m: int, head_dim: int):
     return parts.permute(0, 2, 5, 8, 6, 1, 3, 4, 7, 9), 5  # the parts split the columns
 
 
-def _dq_into_tiles(acc, dst, tile_m: int, add: bool):
-    """dst (b, whole tiles, h, d) = (or +=) the fragment-order accumulator, element for element."""
+def _dq_into(acc, dst, tile_m: int, add: bool):
+    """dst (b, sq, h, d) = (or +=) the fragment-order accumulator: one elementwise pass when sq
+    is a whole number of tiles, else through a reordered copy."""
     src, h_dim = _dq_digits(acc, tile_m, dst.shape[-1])
-    dst = dst.unflatten(1, src.shape[1:h_dim]).unflatten(-1, src.shape[h_dim + 1:])
+    if dst.shape[1] == src.shape[1] * tile_m:
+        dst = dst.unflatten(1, src.shape[1:h_dim]).unflatten(-1, src.shape[h_dim + 1:])
+    else:
+        b, h, d = dst.shape[0], dst.shape[2], dst.shape[3]
+        src = src.reshape(b, -1, h, d)[:, :dst.shape[1]]
     if add:
         dst.add_(src)
     else:
         dst.copy_(src)
 
 
-@functools.cache
-def _dq_into_tiles_fused():
-    # Eager, the 10-d strided copy runs at ~1.5 TB/s (its index math divides per element and
-    # digit); compiled, the digits are constants and the pass is one Triton kernel.
-    return torch.compile(_dq_into_tiles, fullgraph=True)
-
-
-def _dq_into(acc, dst, tile_m: int, add: bool):
-    """dst (b, sq, h, d) = (or +=) the fragment-order accumulator: one pass over whole tiles
-    (compiled on CUDA, with the sequence length symbolic), else through a reordered copy."""
-    b, sq, h, d = dst.shape
-    n_m = acc.shape[-1] // (tile_m * d)
-    if sq != n_m * tile_m:
-        src = _dq_digits(acc, tile_m, d)[0].reshape(b, n_m * tile_m, h, d)[:, :sq]
-        if add:
-            dst.add_(src)
-        else:
-            dst.copy_(src)
-    elif dst.is_cuda:
-        torch._dynamo.maybe_mark_dynamic(acc, 2)
-        torch._dynamo.maybe_mark_dynamic(dst, 1)
-        _dq_into_tiles_fused()(acc, dst, tile_m, add)
-    else:
-        _dq_into_tiles(acc, dst, tile_m, add)
-
-
 def _check(name, t, shape, dtypes):
+    import torch
+
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not t.is_cuda:
@@ -728,6 +707,8 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     """Gradients of attention with the softmax normalised by the given lse (natural log,
     (b, h, sq) fp32). Given dq/dk/dv receive the gradients added to what they hold (fp32 dk/dv
     by the kernel itself; dq in one elementwise pass from the kernel's accumulator)."""
+    import torch
+
     if q.dim() != 4:
         raise ValueError(f"q must be (batch, seq, heads, head_dim), got shape {tuple(q.shape)}")
     b, sq, h, d = q.shape
