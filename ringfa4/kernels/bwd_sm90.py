@@ -6,18 +6,26 @@ reduction), recomputing P from the lse it is given:
 
     S^T = K Q^T          P^T = exp2(S^T * scale * log2(e) - lse * log2(e))
     dP^T = V dO^T        dS^T = P^T * (dP^T * scale - delta),  delta = scale * rowsum(dO * O)
-    dV += P^T dO         dK += dS^T Q          dQ += dS K  (fp32, TMA reduce-add into global)
+    dV += P^T dO         dK += dS^T Q          dQ += dS K  (fp32, bulk reduce-add into global)
 
 (dS carries the softmax scale, so dQ and dK need no multiply of their own.)
 
 Warp roles (384 threads): warp 0 loads Q, dO, lse, delta through a two-stage TMA pipeline;
-warp 1 reduces each dQ tile into global memory (cp.reduce.async.bulk.tensor add); warp groups
+warp 1 reduces each dQ tile into global memory (cp.reduce.async.bulk add); warp groups
 1 and 2 each own 64 rows of the K/V block for S, dP, dV and dK, and half of the dQ tile. S and
 dP are computed transposed so that P^T and dS^T stay in registers as the A operand of the dV
 and dK products; only dS goes through shared memory (for dQ). dK and dV stay in registers
 until the CTA is done; then they are staged in the idle Q/dO/K/V tiles and written (or added,
 into fp32 buffers) by two TMA bulk copies, whole 128-byte lines instead of scattered per-thread
 stores. No other CTA touches them. delta and the lse in log2 units come from bwd_preprocess.py.
+
+dQ is accumulated in "fragment order": each warp group's half of a dQ tile is one contiguous
+block of (tile_m * head_dim / 2) floats in the order its threads hold them, four registers of
+a thread side by side and threads interleaved, so that every 16-byte shared store of a warp is
+one conflict-free 512-byte line and the reduction into global memory is one linear bulk copy.
+(Row-major tiles, as a tensor TMA needs, cost 3-4x the shared-store wavefronts: the swizzle
+cannot separate the row pairs a wgmma accumulator writes together.) `dq_from_accumulator`
+reorders it to (b, s, h, d).
 
 Deterministic mode orders the dQ reductions: the reduction of KV block j into a dQ tile waits
 on a per-tile counter until the blocks before it in a fixed order have landed (ascending, or
@@ -33,6 +41,8 @@ import cutlass.cute as cute
 import cutlass.pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from ringfa4.backends.cute import tma_compatible
@@ -44,6 +54,9 @@ _BAR_PDS = 1  # dS tile of both MMA warp groups is in shared memory
 _BAR_DQ_FULL = 2  # + warp group: its dQ part is in shared memory (MMA WG -> dQ warp)
 _BAR_DQ_EMPTY = 4  # + warp group: its dQ buffer may be overwritten (dQ warp -> MMA WG)
 _BAR_EPILOGUE = 6  # MMA warp groups: the tiles are free for / hold the staged dK, dV
+# wgmma m64nNk16 fp32 accumulator: register 4 * j + 2 * h + e of thread 32 * w + 4 * r + c
+# holds row 16 * w + 8 * h + r, column 8 * j + 2 * c + e (PTX ISA, wgmma D fragment).
+_DQ_REGS_PER_STORE = 4  # one 16-byte shared store
 
 _NUM_MMA_WG = 2
 _WG_THREADS = 128
@@ -52,6 +65,23 @@ _WG_THREADS = 128
 def _seq_major(t: cute.Tensor) -> cute.Tensor:
     """(b, s, h, d) -> (s, d, h, b): the two tiled modes first, as TMA and local_tile want."""
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+
+
+@dsl_user_op
+def _bulk_reduce_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_bytes: int, *,
+                         loc=None, ip=None):
+    """global[0:n] += shared[0:n] (fp32) as one asynchronous bulk copy of the issuing thread;
+    completes with cp.async.bulk.commit_group / wait_group."""
+    llvm.inline_asm(
+        None,
+        [gmem_ptr.toint(loc=loc, ip=ip).ir_value(), smem_ptr.toint(loc=loc, ip=ip).ir_value(),
+         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
 def _carve(ptr, layout: cute.ComposedLayout, dtype) -> cute.Tensor:
@@ -109,10 +139,10 @@ class AttentionBackwardSm90:
         self.tile_m = 128 if head_dim == 64 else 64
         self.stages = 2
         # dQ = dS K is split over the two MMA warp groups along rows when tile_m = 128, else
-        # along head_dim; each warp group reduces its own (dq_rows, dq_cols) part.
+        # along head_dim; each warp group reduces its own 64 x 64 part.
         self.dq_split_rows = self.tile_m == 64 * _NUM_MMA_WG
-        self.dq_rows = 64 if self.dq_split_rows else self.tile_m
         self.dq_cols = head_dim if self.dq_split_rows else head_dim // _NUM_MMA_WG
+        self.dq_part = self.tile_m * head_dim // _NUM_MMA_WG
         self.mma_regs = 240
         self.load_regs = 24
 
@@ -124,7 +154,6 @@ class AttentionBackwardSm90:
         self.sK_layout = wgmma.smem_layout(self.dtype, self.tile_n, d)
         self.sV_layout = wgmma.smem_layout(self.dtype, self.tile_n, d)
         self.sdS_layout = wgmma.smem_layout(self.dtype, self.tile_m, self.tile_n, self.stages)
-        self.sdQ_layout = wgmma.smem_layout(Float32, self.dq_rows, self.dq_cols, _NUM_MMA_WG)
         self.sdKV_layout = wgmma.smem_layout(self.dkv_dtype, self.tile_n, d)
 
     def _mmas(self):
@@ -141,9 +170,6 @@ class AttentionBackwardSm90:
         self.mma_dq = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, MN, Float32,
             wg_rows if self.dq_split_rows else (1, _NUM_MMA_WG, 1), (64, self.dq_cols))
-        # One warp group's share of the dQ product, to address its own shared memory buffer.
-        self.mma_dq_wg = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K, MN, Float32, (1, 1, 1), (64, self.dq_cols))
 
     def _storage(self):
         d_q, d_k, d_s = (cute.cosize(l) for l in (self.sQ_layout, self.sK_layout, self.sdS_layout))
@@ -163,7 +189,7 @@ class AttentionBackwardSm90:
             delta: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
             tiles: cute.struct.Align[cute.struct.MemRange[self.dtype, tile_elems], 1024]
             ds: cute.struct.Align[cute.struct.MemRange[self.dtype, d_s], 1024]
-            dq: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(self.sdQ_layout)], 1024]
+            dq: cute.struct.Align[cute.struct.MemRange[Float32, self.dq_part * _NUM_MMA_WG], 1024]
 
         return Storage
 
@@ -173,8 +199,8 @@ class AttentionBackwardSm90:
                  mdV: cute.Tensor, mSem: Optional[cute.Tensor], softmax_scale: Float32,
                  stream):
         """q, dout (b, sq, h, d); k, v (b, sk, hk, d); lse2, delta (b, h, sq rounded up to
-        tile_m) fp32, lse2 in log2 units with +inf on rows that see no key; dq (b, sq, h, d)
-        fp32 (added into); dk, dv (b, sk, hk, d) of dkv_dtype; sem (b, h, sq tiles) int32 zeros
+        tile_m) fp32, lse2 in log2 units with +inf on rows that see no key; dq_acc (b, h,
+        sq tiles * tile_m * head_dim) fp32 in fragment order (added into); dk, dv (b, sk, hk, d) of dkv_dtype; sem (b, h, sq tiles) int32 zeros
         when deterministic, else None."""
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype
                       or mV.element_type != self.dtype or mdO.element_type != self.dtype):
@@ -189,10 +215,10 @@ class AttentionBackwardSm90:
         self._mmas()
         Storage = self._storage()
 
-        mQ, mK, mV, mdO, mdQ, mdK, mdV = (_seq_major(t) for t in (mQ, mK, mV, mdO, mdQ, mdK, mdV))
+        mQ, mK, mV, mdO, mdK, mdV = (_seq_major(t) for t in (mQ, mK, mV, mdO, mdK, mdV))
         # (b, h, s) -> (s, h, b)
-        mLSE, mDelta = (cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
-                        for t in (mLSE, mDelta))
+        mLSE, mDelta, mdQ = (cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
+                             for t in (mLSE, mDelta, mdQ))
         if const_expr(mSem is not None):
             mSem = cute.make_tensor(mSem.iterator, cute.select(mSem.layout, mode=[2, 1, 0]))
 
@@ -207,9 +233,6 @@ class AttentionBackwardSm90:
         stat_layout = cute.make_layout(self.tile_m)
         tma_lse, tLSE = cpasync.make_tiled_tma_atom(g2s, mLSE, stat_layout, (self.tile_m,))
         tma_delta, tDelta = cpasync.make_tiled_tma_atom(g2s, mDelta, stat_layout, (self.tile_m,))
-        tma_dq, tdQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, cute.select(self.sdQ_layout, mode=[0, 1]),
-            (self.dq_rows, self.dq_cols))
         # dK, dV: one owner CTA per block, so "add into" fp32 buffers is a plain reduce-add.
         s2g = (cpasync.CopyBulkTensorTileS2GOp() if const_expr(self.dkv_dtype == self.dtype)
                else cpasync.CopyReduceBulkTensorTileS2GOp())
@@ -224,28 +247,27 @@ class AttentionBackwardSm90:
         grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), num_kv_heads,
                 cute.size(mK.shape[3]))
         self.kernel(
-            tQ, tK, tV, tdO, tLSE, tDelta, tdQ, tdK, tdV, mSem,
-            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dq, tma_dk, tma_dv,
+            tQ, tK, tV, tdO, tLSE, tDelta, mdQ, tdK, tdV, mSem,
+            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv,
             Float32(softmax_scale), Float32(softmax_scale * LOG2_E),
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout, self.sdS_layout,
-            self.sdQ_layout, self.sdKV_layout, self.mma_sdp, self.mma_dkv, self.mma_dq, self.mma_dq_wg, Storage,
+            self.sdKV_layout, self.mma_sdp, self.mma_dkv, self.mma_dq, Storage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
     def kernel(self, tQ: cute.Tensor, tK: cute.Tensor, tV: cute.Tensor, tdO: cute.Tensor,
-               tLSE: cute.Tensor, tDelta: cute.Tensor, tdQ: cute.Tensor, tdK: cute.Tensor,
+               tLSE: cute.Tensor, tDelta: cute.Tensor, mdQ: cute.Tensor, tdK: cute.Tensor,
                tdV: cute.Tensor, mSem: Optional[cute.Tensor],
                tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
                tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_delta: cute.CopyAtom,
-               tma_dq: cute.CopyAtom, tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom,
+               tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom,
                softmax_scale: Float32, scale_log2: Float32,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-               sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
-               sdKV_layout: cute.ComposedLayout,
+               sdS_layout: cute.ComposedLayout, sdKV_layout: cute.ComposedLayout,
                mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
-               mma_dq_wg: cute.TiledMma, Storage: cutlass.Constexpr):
+               Storage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_head, batch = cute.arch.block_idx()
@@ -256,7 +278,7 @@ class AttentionBackwardSm90:
             n_block = num_n_blocks - 1 - n_block
 
         if warp_idx == 0:
-            for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dq, tma_dk, tma_dv):
+            for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv):
                 cpasync.prefetch_descriptor(atom)
 
         smem = cutlass.memory.SmemAllocator()
@@ -284,7 +306,7 @@ class AttentionBackwardSm90:
         sdS = st.ds.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE = st.lse.get_tensor(cute.make_layout((self.tile_m, self.stages)))
         sDelta = st.delta.get_tensor(cute.make_layout((self.tile_m, self.stages)))
-        sdQ = st.dq.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        sdQ = st.dq.get_tensor(cute.make_layout((self.dq_part, _NUM_MMA_WG)))
 
         seqlen_q = tQ.shape[0]
         seqlen_k = tK.shape[0]
@@ -306,13 +328,13 @@ class AttentionBackwardSm90:
                            mbar_kv, n_block, kv_head, kv_head * group, batch, m_block_min,
                            steps_per_head, num_steps)
             if warp_idx == 1:
-                self._store_dq(tdQ, sdQ, tma_dq, mSem, n_block, num_n_blocks,
+                self._store_dq(mdQ, sdQ, mSem, n_block, num_n_blocks,
                                kv_head * group, batch, m_block_min, steps_per_head, num_steps)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             acc_dK, acc_dV = self._mma(
                 sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, pipe_q, pipe_do, mbar_kv, mma_sdp,
-                mma_dkv, mma_dq, mma_dq_wg, tidx - _WG_THREADS, softmax_scale, scale_log2,
+                mma_dkv, mma_dq, tidx - _WG_THREADS, softmax_scale, scale_log2,
                 seqlen_k, n_block, m_block_min, steps_per_head, num_steps)
             self._epilogue_dkv(acc_dK, acc_dV, tiles, sdKV_layout, tdK, tdV, tma_dk, tma_dv,
                                mma_dkv, tidx - _WG_THREADS, n_block, kv_head, batch)
@@ -366,21 +388,22 @@ class AttentionBackwardSm90:
             state.advance()
 
     @cute.jit
-    def _store_dq(self, tdQ, sdQ, tma_dq, mSem, n_block, num_n_blocks, head0, batch,
-                  m_block_min, steps_per_head, num_steps):
+    def _store_dq(self, mdQ, sdQ, mSem, n_block, num_n_blocks, head0, batch, m_block_min,
+                  steps_per_head, num_steps):
+        """Lane 0 reduces each warp group's dQ part into its fragment-order block of mdQ
+        (bulk copies are tracked per issuing thread, so one lane issues and waits)."""
         lane = cute.arch.lane_idx()
-        one = cute.make_layout(1)
-        blocks_per_tile = self.tile_m // self.dq_rows
+        part_bytes = self.dq_part * Float32.width // 8
         for step in cutlass.range(num_steps, unroll=1):
             g = step // steps_per_head
             m_block = m_block_min + step - g * steps_per_head
             head = head0 + g
-            gdQ = cute.local_tile(tdQ[None, None, head, batch], (self.dq_rows, self.dq_cols),
-                                  (None, None))
             for wg in cutlass.range_constexpr(_NUM_MMA_WG):
                 if const_expr(not self.deterministic):
-                    # The previous reduction out of this buffer must have read it.
-                    cute.arch.cp_async_bulk_wait_group(_NUM_MMA_WG - 1 - wg, read=True)
+                    if lane == 0:
+                        # The previous reduction out of this buffer must have read it.
+                        cute.arch.cp_async_bulk_wait_group(_NUM_MMA_WG - 1 - wg, read=True)
+                    cute.arch.sync_warp()
                 cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
                                          number_of_threads=_WG_THREADS + 32)
             if const_expr(self.deterministic):
@@ -396,27 +419,27 @@ class AttentionBackwardSm90:
                     seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
                     while seen != turn:
                         seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+            gdQ = mdQ[None, head, batch].iterator + m_block * _NUM_MMA_WG * self.dq_part
             for wg in cutlass.range_constexpr(_NUM_MMA_WG):
                 cute.arch.barrier(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=_WG_THREADS + 32)
-                row_block = m_block * blocks_per_tile + (wg if const_expr(self.dq_split_rows)
-                                                         else 0)
-                col_block = 0 if const_expr(self.dq_split_rows) else wg
-                s_t, g_t = cpasync.tma_partition(tma_dq, 0, one, cute.group_modes(sdQ, 0, 2),
-                                                 cute.group_modes(gdQ, 0, 2))
-                cute.copy(tma_dq, s_t[None, wg], g_t[None, row_block, col_block])
-                cute.arch.cp_async_bulk_commit_group()
-            if const_expr(self.deterministic):
-                # Both parts have landed in global memory before the next KV block may add.
-                cute.arch.cp_async_bulk_wait_group(0, read=False)
                 if lane == 0:
+                    _bulk_reduce_add_f32(gdQ + wg * self.dq_part, sdQ[None, wg].iterator,
+                                         part_bytes)
+                    cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.deterministic):
+                if lane == 0:
+                    # Both parts have landed in global memory before the next KV block may add.
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
                     cute.arch.red(sem_ptr, Int32(1), op="add", dtype="s32", sem="release",
                                   scope="gpu")
-        cute.arch.cp_async_bulk_wait_group(0, read=False)
+                cute.arch.sync_warp()
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def _mma(self, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ,
              pipe_q, pipe_do, mbar_kv, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma,
-             mma_dq: cute.TiledMma, mma_dq_wg: cute.TiledMma, tidx, softmax_scale, scale_log2,
+             mma_dq: cute.TiledMma, tidx, softmax_scale, scale_log2,
              seqlen_k, n_block, m_block_min, steps_per_head, num_steps):
         """The main loop of the MMA warp groups; returns this thread's dK, dV accumulators."""
         d = self.head_dim
@@ -448,12 +471,13 @@ class AttentionBackwardSm90:
                                 self.dtype), mma_sdp)
         thr_r2s_ds = r2s_ds.get_slice(tidx)
         tdSs = thr_r2s_ds.partition_D(_transpose(sdS))
-        # dQ registers -> this warp group's fp32 buffer.
-        r2s_dq = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64),
-            mma_dq_wg)
-        thr_r2s_dq = r2s_dq.get_slice(tidx % _WG_THREADS)
-        tdQs = thr_r2s_dq.partition_D(sdQ[None, None, wg])
+        # dQ registers -> this warp group's fp32 buffer in fragment order: register group i of
+        # thread t at (i * WG threads + t) * 4, one 512-byte line per warp and store.
+        dq_regs = self.dq_part // _WG_THREADS
+        dq_store = (_DQ_REGS_PER_STORE, dq_regs // _DQ_REGS_PER_STORE)
+        tdQs = cute.make_tensor(
+            sdQ[None, wg].iterator + (tidx % _WG_THREADS) * _DQ_REGS_PER_STORE,
+            cute.make_layout(dq_store, stride=(1, _DQ_REGS_PER_STORE * _WG_THREADS)))
 
         # (key, query) coordinates of each S^T element this thread holds.
         cS = _acc_mn(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))),
@@ -524,7 +548,7 @@ class AttentionBackwardSm90:
 
             # dQ part -> shared memory -> dQ warp, which adds it into global memory.
             cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + wg, number_of_threads=_WG_THREADS + 32)
-            cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dq), tdQs)
+            cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout(dq_store)), tdQs)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + wg,
                                      number_of_threads=_WG_THREADS + 32)
@@ -594,7 +618,7 @@ class BwdSm90Config:
         dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[self.dtype]
         kernel = AttentionBackwardSm90(dt, self.head_dim, self.causal, self.deterministic,
                                        Float32 if self.dkv_fp32 else dt)
-        b, sq, sk, h, hk, sq_pad, n_m = (cute.sym_int() for _ in range(7))
+        b, sq, sk, h, hk, sq_pad, n_m, dq_len = (cute.sym_int() for _ in range(8))
 
         def stats():  # (b, h, sq_pad) fp32, rows of whole tiles
             return cute.runtime.make_fake_tensor(
@@ -608,13 +632,16 @@ class BwdSm90Config:
                                                  stride=stride, assumed_align=16)
 
         d = self.head_dim
+        dq_acc = cute.runtime.make_fake_tensor(  # (b, h, sq tiles * tile_m * d), fragment order
+            Float32, (b, h, dq_len), stride=(cute.sym_int64(divisibility=4),
+                                            cute.sym_int64(divisibility=4), 1), assumed_align=16)
         dkv = ((lambda: fp32_bshd(sk, hk)) if self.dkv_fp32
                else (lambda: fake_bshd(dt, b, sk, hk, d)))
         sem = (cute.runtime.make_fake_tensor(Int32, (b, h, n_m), stride=(cute.sym_int64(), n_m, 1),
                                              assumed_align=4) if self.deterministic else None)
         return kernel, (
             fake_bshd(dt, b, sq, h, d), fake_bshd(dt, b, sk, hk, d), fake_bshd(dt, b, sk, hk, d),
-            fake_bshd(dt, b, sq, h, d), stats(), stats(), fp32_bshd(sq, h), dkv(), dkv(), sem,
+            fake_bshd(dt, b, sq, h, d), stats(), stats(), dq_acc, dkv(), dkv(), sem,
             Float32(1.0), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
         )
 
@@ -630,6 +657,36 @@ VARIANTS = [
 # ---------------------------------------------------------------- torch entry point
 def _tile_m(head_dim: int) -> int:
     return 128 if head_dim == 64 else 64
+
+
+def _dq_digits(acc, tile_m: int, head_dim: int):
+    """The fragment-order dQ accumulator (b, h, tiles * tile_m * head_dim) as a view with dims
+    (batch, tile, row digits..., head, column digits...), and the index of the head dim: a
+    (b, tiles * tile_m, h, head_dim) tensor with its rows and columns split the same way lines up
+    with it element for element."""
+    b, h, length = acc.shape
+    n_m = length // (tile_m * head_dim)
+    # (b, h, tile, warp group, j, warp, r, c, hh, e): a warp group's 64 x 64 part holds
+    # row 16 * warp + 8 * hh + r, column 8 * j + 2 * c + e (_DQ_REGS_PER_STORE).
+    parts = acc.view(b, h, n_m, _NUM_MMA_WG, 8, 4, 8, 4, 2, 2)
+    if tile_m == 64 * _NUM_MMA_WG:  # the parts split the rows
+        return parts.permute(0, 2, 3, 5, 8, 6, 1, 4, 7, 9), 6
+    return parts.permute(0, 2, 5, 8, 6, 1, 3, 4, 7, 9), 5  # the parts split the columns
+
+
+def _dq_into(acc, dst, tile_m: int, add: bool):
+    """dst (b, sq, h, d) = (or +=) the fragment-order accumulator: one elementwise pass when sq
+    is a whole number of tiles, else through a reordered copy."""
+    src, h_dim = _dq_digits(acc, tile_m, dst.shape[-1])
+    if dst.shape[1] == src.shape[1] * tile_m:
+        dst = dst.unflatten(1, src.shape[1:h_dim]).unflatten(-1, src.shape[h_dim + 1:])
+    else:
+        b, h, d = dst.shape[0], dst.shape[2], dst.shape[3]
+        src = src.reshape(b, -1, h, d)[:, :dst.shape[1]]
+    if add:
+        dst.add_(src)
+    else:
+        dst.copy_(src)
 
 
 def _check(name, t, shape, dtypes):
@@ -648,8 +705,8 @@ def _check(name, t, shape, dtypes):
 def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, dv=None,
              deterministic=False):
     """Gradients of attention with the softmax normalised by the given lse (natural log,
-    (b, h, sq) fp32). Given dq/dk/dv receive the gradients added to what they hold; fp32 ones
-    are accumulated in place by the kernel."""
+    (b, h, sq) fp32). Given dq/dk/dv receive the gradients added to what they hold (fp32 dk/dv
+    by the kernel itself; dq in one elementwise pass from the kernel's accumulator)."""
     import torch
 
     if q.dim() != 4:
@@ -697,9 +754,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         out if tma_compatible(out) else out.contiguous(), dout,
         lse if lse.stride(-1) == 1 else lse.contiguous(), lse2, delta, float(softmax_scale))
 
-    dq_acc = dq if dq is not None and dq.dtype == torch.float32 and tma_compatible(dq) else None
-    if dq_acc is None:
-        dq_acc = torch.zeros((b, sq, h, d), dtype=torch.float32, device=dev)
+    dq_acc = torch.zeros((b, h, n_m * tile_m * d), dtype=torch.float32, device=dev)
     dkv_fp32 = all(t is not None and t.dtype == torch.float32 and tma_compatible(t) for t in (dk, dv))
     if dkv_fp32:
         dk_out, dv_out = dk, dv
@@ -713,9 +768,10 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     fn(q, k, v, dout, lse2, delta, dq_acc, dk_out, dv_out, sem, float(softmax_scale))
 
     if dq is None:
-        dq = dq_acc.to(q.dtype)
-    elif dq_acc is not dq:
-        dq.add_(dq_acc)
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+        _dq_into(dq_acc, dq, tile_m, add=False)
+    else:
+        _dq_into(dq_acc, dq, tile_m, add=True)
     if not dkv_fp32:
         if dk is None:
             dk = dk_out
