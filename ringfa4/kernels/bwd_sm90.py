@@ -24,8 +24,8 @@ block of (tile_m * head_dim / 2) floats in the order its threads hold them, four
 a thread side by side and threads interleaved, so that every 16-byte shared store of a warp is
 one conflict-free 512-byte line and the reduction into global memory is one linear bulk copy.
 (Row-major tiles, as a tensor TMA needs, cost 3-4x the shared-store wavefronts: the swizzle
-cannot separate the row pairs a wgmma accumulator writes together.) `dq_from_accumulator`
-reorders it to (b, s, h, d).
+cannot separate the row pairs a wgmma accumulator writes together.) bwd_postprocess.py puts it
+back in (b, s, h, d).
 
 Deterministic mode orders the dQ reductions: the reduction of KV block j into a dQ tile waits
 on a per-tile counter until the blocks before it in a fixed order have landed (ascending, or
@@ -40,6 +40,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
+import torch
 from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
@@ -47,6 +48,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from ringfa4.backends.cute import tma_compatible
 from ringfa4.kernels import wgmma
+from ringfa4.kernels.bwd_postprocess import DqPostprocessConfig, query_tile
 from ringfa4.kernels.softmax import LOG2_E
 
 # Named barriers (id 0 is __syncthreads).
@@ -136,7 +138,7 @@ class AttentionBackwardSm90:
         self.dkv_dtype = dkv_dtype
         self.tile_n = 64 * _NUM_MMA_WG
         # Register budget per MMA thread: S^T, dP^T (tile_m / 2 each) + dK, dV (head_dim / 2 each).
-        self.tile_m = 128 if head_dim == 64 else 64
+        self.tile_m = query_tile(head_dim)
         self.stages = 2
         # dQ = dS K is split over the two MMA warp groups along rows when tile_m = 128, else
         # along head_dim; each warp group reduces its own 64 x 64 part.
@@ -655,43 +657,10 @@ VARIANTS = [
 
 
 # ---------------------------------------------------------------- torch entry point
-def _tile_m(head_dim: int) -> int:
-    return 128 if head_dim == 64 else 64
-
-
-def _dq_digits(acc, tile_m: int, head_dim: int):
-    """The fragment-order dQ accumulator (b, h, tiles * tile_m * head_dim) as a view with dims
-    (batch, tile, row digits..., head, column digits...), and the index of the head dim: a
-    (b, tiles * tile_m, h, head_dim) tensor with its rows and columns split the same way lines up
-    with it element for element."""
-    b, h, length = acc.shape
-    n_m = length // (tile_m * head_dim)
-    # (b, h, tile, warp group, j, warp, r, c, hh, e): a warp group's 64 x 64 part holds
-    # row 16 * warp + 8 * hh + r, column 8 * j + 2 * c + e (_DQ_REGS_PER_STORE).
-    parts = acc.view(b, h, n_m, _NUM_MMA_WG, 8, 4, 8, 4, 2, 2)
-    if tile_m == 64 * _NUM_MMA_WG:  # the parts split the rows
-        return parts.permute(0, 2, 3, 5, 8, 6, 1, 4, 7, 9), 6
-    return parts.permute(0, 2, 5, 8, 6, 1, 3, 4, 7, 9), 5  # the parts split the columns
-
-
-def _dq_into(acc, dst, tile_m: int, add: bool):
-    """dst (b, sq, h, d) = (or +=) the fragment-order accumulator: one elementwise pass when sq
-    is a whole number of tiles, else through a reordered copy."""
-    src, h_dim = _dq_digits(acc, tile_m, dst.shape[-1])
-    if dst.shape[1] == src.shape[1] * tile_m:
-        dst = dst.unflatten(1, src.shape[1:h_dim]).unflatten(-1, src.shape[h_dim + 1:])
-    else:
-        b, h, d = dst.shape[0], dst.shape[2], dst.shape[3]
-        src = src.reshape(b, -1, h, d)[:, :dst.shape[1]]
-    if add:
-        dst.add_(src)
-    else:
-        dst.copy_(src)
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def _check(name, t, shape, dtypes):
-    import torch
-
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not t.is_cuda:
@@ -706,9 +675,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
              deterministic=False):
     """Gradients of attention with the softmax normalised by the given lse (natural log,
     (b, h, sq) fp32). Given dq/dk/dv receive the gradients added to what they hold (fp32 dk/dv
-    by the kernel itself; dq in one elementwise pass from the kernel's accumulator)."""
-    import torch
-
+    by the kernel itself; dq by the postprocess that reads the kernel's accumulator)."""
     if q.dim() != 4:
         raise ValueError(f"q must be (batch, seq, heads, head_dim), got shape {tuple(q.shape)}")
     b, sq, h, d = q.shape
@@ -741,13 +708,13 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         if buf is not None:
             _check(name, buf, like.shape, (torch.float16, torch.bfloat16, torch.float32))
 
-    tile_m = _tile_m(d)
+    tile_m = query_tile(d)
     n_m = (sq + tile_m - 1) // tile_m
     dev = q.device
     from ringfa4.kernels.bwd_preprocess import BwdPreprocessConfig
     from ringfa4.kernels.compile import compile_variant
 
-    dtype = "bf16" if q.dtype == torch.bfloat16 else "fp16"
+    dtype = _DTYPE_NAMES[q.dtype]
     lse2 = torch.empty((b, h, n_m * tile_m), dtype=torch.float32, device=dev)
     delta = torch.empty((b, h, n_m * tile_m), dtype=torch.float32, device=dev)
     compile_variant(BwdPreprocessConfig(dtype, d))(
@@ -767,11 +734,14 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     fn = compile_variant(cfg)
     fn(q, k, v, dout, lse2, delta, dq_acc, dk_out, dv_out, sem, float(softmax_scale))
 
+    # dq <- (or +=) the accumulator; a dq the postprocess cannot address gets a fresh one added.
+    add = dq is not None and tma_compatible(dq)
+    dq_out = dq if add else torch.empty_like(q, memory_format=torch.contiguous_format)
+    compile_variant(DqPostprocessConfig(_DTYPE_NAMES[dq_out.dtype], d, add))(dq_acc, dq_out)
     if dq is None:
-        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        _dq_into(dq_acc, dq, tile_m, add=False)
-    else:
-        _dq_into(dq_acc, dq, tile_m, add=True)
+        dq = dq_out
+    elif not add:
+        dq.add_(dq_out)
     if not dkv_fp32:
         if dk is None:
             dk = dk_out
