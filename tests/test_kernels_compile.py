@@ -44,12 +44,13 @@ def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_shipped_variants(tmp_path):
 @pytest.mark.parametrize("dtype,add", [("bf16", False), ("fp16", False), ("fp32", True),
                                        ("bf16", True)])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_dq_postprocess_compiles_with_16_byte_loads(dtype, add, head_dim):
+def test_dq_postprocess_compiles_with_16_byte_loads(dtype, add, head_dim, tmp_path):
     """The backward's dQ postprocess reads the kernel's accumulator 16 bytes per thread and load."""
     from ringfa4.kernels.bwd_postprocess import DqPostprocessConfig
     from ringfa4.kernels.compile import compile_variant
 
-    ptx = compile_variant(DqPostprocessConfig(dtype, head_dim, add), options="--keep-ptx").__ptx__
+    config = DqPostprocessConfig(dtype, head_dim, add)
+    ptx = compile_variant(config, options=f"--keep-ptx --dump-dir {tmp_path}").__ptx__
     assert ".target sm_90a" in ptx
     assert ptx.count("ld.global.v4") == 8  # the thread's 32 registers of a 64 x 64 part
     assert ("ld.global" in ptx.replace("ld.global.v4", "")) == add  # reads dq only to add
