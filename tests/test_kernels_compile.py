@@ -44,16 +44,20 @@ def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_shipped_variants(tmp_path):
 @pytest.mark.parametrize("dtype,add", [("bf16", False), ("fp16", False), ("fp32", True),
                                        ("bf16", True)])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_dq_postprocess_compiles_with_16_byte_loads(dtype, add, head_dim, tmp_path):
-    """The backward's dQ postprocess reads the kernel's accumulator 16 bytes per thread and load."""
+def test_dq_postprocess_moves_16_bytes_per_access(dtype, add, head_dim, tmp_path):
+    """The backward's dQ postprocess reads the kernel's accumulator and writes (or adds into) dq
+    with 16-byte accesses only: per thread, 2 runs of 64 bytes in, 2 x 2 row pieces of 8 values
+    out."""
     from ringfa4.kernels.bwd_postprocess import DqPostprocessConfig
     from ringfa4.kernels.compile import compile_variant
 
     config = DqPostprocessConfig(dtype, head_dim, add)
     ptx = compile_variant(config, options=f"--keep-ptx --dump-dir {tmp_path}").__ptx__
     assert ".target sm_90a" in ptx
-    assert ptx.count("ld.global.v4") == 8  # the thread's 32 registers of a 64 x 64 part
-    assert ("ld.global" in ptx.replace("ld.global.v4", "")) == add  # reads dq only to add
+    per_piece = {"bf16": 1, "fp16": 1, "fp32": 2}[dtype]  # 16-byte accesses per 8 values of dq
+    assert all(".v4" in match.group(0) for match in re.finditer(r"\b(ld|st)\.global[.\w]*", ptx))
+    assert len(re.findall(r"\bld\.global", ptx)) == 8 + (4 * per_piece if add else 0)
+    assert len(re.findall(r"\bst\.global", ptx)) == 4 * per_piece
 
 
 def _qkv(device="cpu", dtype=torch.bfloat16, d=128, sq=16, sk=16):

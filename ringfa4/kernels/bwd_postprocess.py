@@ -2,12 +2,12 @@
 (b, s, h, d), written in the output's dtype or added into what it holds.
 
 Per (batch, head, query tile) the accumulator holds each MMA warp group's 64 x 64 part of the
-tile as [register group j][thread t][4 registers] (bwd_sm90.py). A CTA here has the same 256
-threads: thread t of warp group w reads back exactly the registers that thread t of warp group w
-wrote (16-byte loads, 512 contiguous bytes per warp and load) and knows where each belongs from
-the wgmma accumulator layout: register 4 j + 2 hh + e of thread 32 warp + 4 r + c holds row
-16 warp + 8 hh + r and column 8 j + 2 c + e of its part (PTX ISA, wgmma D fragment). Rows past
-the sequence (the last tile's padding) are dropped.
+tile as [register group j][thread t][4 registers] (bwd_sm90.py), where register 4 j + 2 hh + e of
+thread 32 warp + 4 r + c holds row 16 warp + 8 hh + r and column 8 j + 2 c + e of the part (PTX
+ISA, wgmma D fragment). So the four threads c = 0..3 of one (warp, r) wrote, side by side, 64
+bytes that hold rows r and r + 8 over columns 8 j .. 8 j + 7. A thread here reads such a 64-byte
+run and writes its two 8-column row pieces; eight threads with consecutive j write one 64-column
+row of a part, whole 128-byte lines. Rows past the sequence (the last tile's padding) are dropped.
 """
 from dataclasses import dataclass
 
@@ -17,9 +17,11 @@ from cutlass import Float32, const_expr
 
 _NUM_MMA_WG = 2
 _WG_THREADS = 128
+_THREADS = _NUM_MMA_WG * _WG_THREADS
 _PART = 64  # each warp group's part of a dQ tile is 64 x 64
-_REGS_PER_LOAD = 4  # registers a thread stored side by side (one 16-byte store)
-_REG_GROUPS = _PART * _PART // (_WG_THREADS * _REGS_PER_LOAD)
+_COLS = 8  # columns of one register group j
+_RUN = 16  # floats the four threads of a (warp, r) stored side by side for one j: 2 rows x 8 columns
+_RUNS = _NUM_MMA_WG * 4 * 8 * (_PART // _COLS)  # (warp group, warp, r, j) per tile
 
 
 def query_tile(head_dim: int) -> int:
@@ -40,42 +42,45 @@ class DqPostprocess:
     def __call__(self, mAcc: cute.Tensor, mdQ: cute.Tensor, stream):
         """acc (b, h, tiles * tile_m * head_dim) fp32; dq (b, s, h, head_dim)."""
         grid = (cute.ceil_div(mdQ.shape[1], self.tile_m), mdQ.shape[2], mdQ.shape[0])
-        self.kernel(mAcc, mdQ).launch(
-            grid=grid, block=[_NUM_MMA_WG * _WG_THREADS, 1, 1], stream=stream)
+        self.kernel(mAcc, mdQ).launch(grid=grid, block=[_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mAcc: cute.Tensor, mdQ: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
-        wg, t = tidx // _WG_THREADS, tidx % _WG_THREADS
-        warp, r, c = t // 32, t % 32 // 4, t % 4
-        row = m_block * self.tile_m + 16 * warp + r
-        col = 2 * c
-        if const_expr(self.split_rows):
-            row = row + _PART * wg
-        else:
-            col = col + _PART * wg
-        part = (m_block * _NUM_MMA_WG + wg) * (self.tile_m * self.head_dim // _NUM_MMA_WG)
         acc = mAcc[batch, head, None]
         seqlen = mdQ.shape[1]
-        for j in cutlass.range_constexpr(_REG_GROUPS):
-            regs = cute.make_rmem_tensor((_REGS_PER_LOAD,), Float32)
-            first = part + (j * _WG_THREADS + t) * _REGS_PER_LOAD
-            cute.autovec_copy(
-                cute.local_tile(acc, (_REGS_PER_LOAD,), (first // _REGS_PER_LOAD,)), regs)
+        part_size = self.tile_m * self.head_dim // _NUM_MMA_WG
+        for k in cutlass.range_constexpr(_RUNS // _THREADS):
+            run = tidx + k * _THREADS
+            j = run % (_PART // _COLS)
+            r = run // (_PART // _COLS) % 8
+            warp = run // (_PART // _COLS * 8) % 4
+            wg = run // (_PART // _COLS * 8 * 4)
+            first = ((m_block * _NUM_MMA_WG + wg) * part_size
+                     + (j * _WG_THREADS + 32 * warp + 4 * r) * 4)
+            regs = cute.make_rmem_tensor((_RUN,), Float32)
+            cute.autovec_copy(cute.local_tile(acc, (_RUN,), (first // _RUN,)), regs)
+            row = m_block * self.tile_m + 16 * warp + r
+            col = _COLS * j
+            if const_expr(self.split_rows):
+                row = row + _PART * wg
+            else:
+                col = col + _PART * wg
             for hh in cutlass.range_constexpr(2):
                 if row + 8 * hh < seqlen:
-                    dst = cute.local_tile(mdQ[batch, row + 8 * hh, head, None], (2,),
-                                          ((col + 8 * j) // 2,))
-                    pair = cute.make_rmem_tensor((2,), Float32)
-                    for e in cutlass.range_constexpr(2):
-                        pair[e] = regs[2 * hh + e]
+                    dst = cute.local_tile(mdQ[batch, row + 8 * hh, head, None], (_COLS,),
+                                          (col // _COLS,))
+                    vals = cute.make_rmem_tensor((_COLS,), Float32)
+                    for c in cutlass.range_constexpr(4):
+                        for e in cutlass.range_constexpr(2):
+                            vals[2 * c + e] = regs[4 * c + 2 * hh + e]
                     if const_expr(self.add):
-                        held = cute.make_rmem_tensor((2,), self.dtype)
+                        held = cute.make_rmem_tensor((_COLS,), self.dtype)
                         cute.autovec_copy(dst, held)
-                        pair.store(pair.load() + held.load().to(Float32))
-                    out = cute.make_rmem_tensor((2,), self.dtype)
-                    out.store(pair.load().to(self.dtype))
+                        vals.store(vals.load() + held.load().to(Float32))
+                    out = cute.make_rmem_tensor((_COLS,), self.dtype)
+                    out.store(vals.load().to(self.dtype))
                     cute.autovec_copy(out, dst)
 
 
