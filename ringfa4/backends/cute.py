@@ -7,7 +7,7 @@ import math
 import torch
 
 HEAD_DIMS = (64, 128)
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # the kernels' input dtypes
 
 
 def tma_compatible(t):
@@ -33,7 +33,7 @@ def unsupported_reason(q, k, v, causal, grad):
     major, minor = torch.cuda.get_device_capability(q.device)
     if (major, minor) != (9, 0):
         return f"cute kernels are built for Hopper (sm_90), this GPU is sm_{major}{minor}"
-    if q.dtype not in _DTYPE_NAMES or k.dtype != q.dtype or v.dtype != q.dtype:
+    if q.dtype not in DTYPE_NAMES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"cute kernels take bfloat16 or float16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return "q, k, v must be 4-D (batch, seq, heads, head_dim)"
@@ -102,8 +102,8 @@ def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None):
     from ringfa4.kernels.compile import compile_variant, fwd_defaults
 
     if config is None:
-        config = fwd_defaults(_DTYPE_NAMES[q.dtype], d, causal)
-    elif (config.dtype, config.head_dim, config.causal) != (_DTYPE_NAMES[q.dtype], d, causal):
+        config = fwd_defaults(DTYPE_NAMES[q.dtype], d, causal)
+    elif (config.dtype, config.head_dim, config.causal) != (DTYPE_NAMES[q.dtype], d, causal):
         raise ValueError(f"config {config.name} does not match dtype={q.dtype}, head_dim={d}, causal={causal}")
     kernel = compile_variant(config)
     kernel(q.detach(), k.detach(), v.detach(), out.detach(), lse, scale, _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()))

@@ -46,7 +46,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
-from ringfa4.backends.cute import tma_compatible
+from ringfa4.backends.cute import DTYPE_NAMES, tma_compatible
 from ringfa4.kernels import wgmma
 from ringfa4.kernels.bwd_postprocess import DqPostprocessConfig, query_tile
 from ringfa4.kernels.softmax import LOG2_E
@@ -657,7 +657,8 @@ VARIANTS = [
 
 
 # ---------------------------------------------------------------- torch entry point
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+# dq may also be an fp32 accumulator
+_DQ_DTYPE_NAMES = {**DTYPE_NAMES, torch.float32: "fp32"}
 
 
 def _check(name, t, shape, dtypes):
@@ -714,7 +715,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     from ringfa4.kernels.bwd_preprocess import BwdPreprocessConfig
     from ringfa4.kernels.compile import compile_variant
 
-    dtype = _DTYPE_NAMES[q.dtype]
+    dtype = DTYPE_NAMES[q.dtype]
     lse2 = torch.empty((b, h, n_m * tile_m), dtype=torch.float32, device=dev)
     delta = torch.empty((b, h, n_m * tile_m), dtype=torch.float32, device=dev)
     compile_variant(BwdPreprocessConfig(dtype, d))(
@@ -737,7 +738,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     # dq <- (or +=) the accumulator; a dq the postprocess cannot address gets a fresh one added.
     add = dq is not None and tma_compatible(dq)
     dq_out = dq if add else torch.empty_like(q, memory_format=torch.contiguous_format)
-    compile_variant(DqPostprocessConfig(_DTYPE_NAMES[dq_out.dtype], d, add))(dq_acc, dq_out)
+    compile_variant(DqPostprocessConfig(_DQ_DTYPE_NAMES[dq_out.dtype], d, add))(dq_acc, dq_out)
     if dq is None:
         dq = dq_out
     elif not add:
