@@ -1,13 +1,10 @@
-"""Backward postprocess: dQ out of the backward kernel's fragment-order fp32 accumulator into
-(b, s, h, d), written in the output's dtype or added into what it holds.
+"""Backward postprocess: dQ out of the backward kernel's fragment-order fp32 accumulator
+(dq_layout.py) into (b, s, h, d), written in the output's dtype or added into what it holds.
 
-Per (batch, head, query tile) the accumulator holds each MMA warp group's 64 x 64 part of the
-tile as [register group j][thread t][4 registers] (bwd_sm90.py), where register 4 j + 2 hh + e of
-thread 32 warp + 4 r + c holds row 16 warp + 8 hh + r and column 8 j + 2 c + e of the part (PTX
-ISA, wgmma D fragment). So the four threads c = 0..3 of one (warp, r) wrote, side by side, 64
-bytes that hold rows r and r + 8 over columns 8 j .. 8 j + 7. A thread here reads such a 64-byte
-run and writes its two 8-column row pieces; eight threads with consecutive j write one 64-column
-row of a part, whole 128-byte lines. Rows past the sequence (the last tile's padding) are dropped.
+In that layout the four threads c = 0..3 of one (warp, r) stored, side by side, 64 bytes that hold
+rows r and r + 8 over columns 8 j .. 8 j + 7 of their part. A thread here reads such a 64-byte run
+and writes its two 8-column row pieces; eight threads with consecutive j write one 64-column row
+of a part, whole 128-byte lines. Rows past the sequence (the last tile's padding) are dropped.
 """
 from dataclasses import dataclass
 
@@ -15,19 +12,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
-_NUM_MMA_WG = 2
-_WG_THREADS = 128
-_THREADS = _NUM_MMA_WG * _WG_THREADS
-_PART = 64  # each warp group's part of a dQ tile is 64 x 64
+from ringfa4.kernels.dq_layout import NUM_MMA_WG, PART, REGS_PER_STORE, WG_THREADS, query_tile
+
+_THREADS = NUM_MMA_WG * WG_THREADS
 _COLS = 8  # columns of one register group j
-_RUN = 16  # floats the four threads of a (warp, r) stored side by side for one j: 2 rows x 8 columns
-_RUNS = _NUM_MMA_WG * 4 * 8 * (_PART // _COLS)  # (warp group, warp, r, j) per tile
-
-
-def query_tile(head_dim: int) -> int:
-    """Rows of a dQ tile in the backward kernel: 128 at head_dim 64 (the warp groups split the
-    rows), 64 at 128 (they split the columns)."""
-    return 128 if head_dim == 64 else 64
+_RUN = 4 * REGS_PER_STORE  # the 4 threads of a (warp, r), one j: 2 rows x 8 columns
+_RUNS = NUM_MMA_WG * 4 * 8 * (PART // _COLS)  # (warp group, warp, r, j) per tile
 
 
 class DqPostprocess:
@@ -36,7 +26,7 @@ class DqPostprocess:
         self.head_dim = head_dim
         self.add = add
         self.tile_m = query_tile(head_dim)
-        self.split_rows = self.tile_m == _PART * _NUM_MMA_WG
+        self.split_rows = self.tile_m == PART * NUM_MMA_WG
 
     @cute.jit
     def __call__(self, mAcc: cute.Tensor, mdQ: cute.Tensor, stream):
@@ -50,23 +40,23 @@ class DqPostprocess:
         m_block, head, batch = cute.arch.block_idx()
         acc = mAcc[batch, head, None]
         seqlen = mdQ.shape[1]
-        part_size = self.tile_m * self.head_dim // _NUM_MMA_WG
+        part_size = self.tile_m * self.head_dim // NUM_MMA_WG
         for k in cutlass.range_constexpr(_RUNS // _THREADS):
             run = tidx + k * _THREADS
-            j = run % (_PART // _COLS)
-            r = run // (_PART // _COLS) % 8
-            warp = run // (_PART // _COLS * 8) % 4
-            wg = run // (_PART // _COLS * 8 * 4)
-            first = ((m_block * _NUM_MMA_WG + wg) * part_size
-                     + (j * _WG_THREADS + 32 * warp + 4 * r) * 4)
+            j = run % (PART // _COLS)
+            r = run // (PART // _COLS) % 8
+            warp = run // (PART // _COLS * 8) % 4
+            wg = run // (PART // _COLS * 8 * 4)
+            first = ((m_block * NUM_MMA_WG + wg) * part_size
+                     + (j * WG_THREADS + 32 * warp + 4 * r) * 4)
             regs = cute.make_rmem_tensor((_RUN,), Float32)
             cute.autovec_copy(cute.local_tile(acc, (_RUN,), (first // _RUN,)), regs)
             row = m_block * self.tile_m + 16 * warp + r
             col = _COLS * j
             if const_expr(self.split_rows):
-                row = row + _PART * wg
+                row = row + PART * wg
             else:
-                col = col + _PART * wg
+                col = col + PART * wg
             for hh in cutlass.range_constexpr(2):
                 if row + 8 * hh < seqlen:
                     dst = cute.local_tile(mdQ[batch, row + 8 * hh, head, None], (_COLS,),

@@ -24,8 +24,8 @@ block of (tile_m * head_dim / 2) floats in the order its threads hold them, four
 a thread side by side and threads interleaved, so that every 16-byte shared store of a warp is
 one conflict-free 512-byte line and the reduction into global memory is one linear bulk copy.
 (Row-major tiles, as a tensor TMA needs, cost 3-4x the shared-store wavefronts: the swizzle
-cannot separate the row pairs a wgmma accumulator writes together.) bwd_postprocess.py puts it
-back in (b, s, h, d).
+cannot separate the row pairs a wgmma accumulator writes together.) dq_layout.py holds that
+layout; bwd_postprocess.py puts dQ back in (b, s, h, d).
 
 Deterministic mode orders the dQ reductions: the reduction of KV block j into a dQ tile waits
 on a per-tile counter until the blocks before it in a fixed order have landed (ascending, or
@@ -48,7 +48,8 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from ringfa4.backends.cute import DTYPE_NAMES, tma_compatible
 from ringfa4.kernels import wgmma
-from ringfa4.kernels.bwd_postprocess import DqPostprocessConfig, query_tile
+from ringfa4.kernels.bwd_postprocess import DqPostprocessConfig
+from ringfa4.kernels.dq_layout import NUM_MMA_WG, REGS_PER_STORE, WG_THREADS, query_tile
 from ringfa4.kernels.softmax import LOG2_E
 
 # Named barriers (id 0 is __syncthreads).
@@ -56,12 +57,6 @@ _BAR_PDS = 1  # dS tile of both MMA warp groups is in shared memory
 _BAR_DQ_FULL = 2  # + warp group: its dQ part is in shared memory (MMA WG -> dQ warp)
 _BAR_DQ_EMPTY = 4  # + warp group: its dQ buffer may be overwritten (dQ warp -> MMA WG)
 _BAR_EPILOGUE = 6  # MMA warp groups: the tiles are free for / hold the staged dK, dV
-# wgmma m64nNk16 fp32 accumulator: register 4 * j + 2 * h + e of thread 32 * w + 4 * r + c
-# holds row 16 * w + 8 * h + r, column 8 * j + 2 * c + e (PTX ISA, wgmma D fragment).
-_DQ_REGS_PER_STORE = 4  # one 16-byte shared store
-
-_NUM_MMA_WG = 2
-_WG_THREADS = 128
 
 
 def _seq_major(t: cute.Tensor) -> cute.Tensor:
@@ -122,7 +117,7 @@ class AttentionBackwardSm90:
     buffer that the kernel adds into.
     """
 
-    num_threads = (_NUM_MMA_WG + 1) * _WG_THREADS
+    num_threads = (NUM_MMA_WG + 1) * WG_THREADS
 
     def __init__(self, dtype, head_dim: int, causal: bool, deterministic: bool, dkv_dtype):
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
@@ -136,15 +131,15 @@ class AttentionBackwardSm90:
         self.causal = causal
         self.deterministic = deterministic
         self.dkv_dtype = dkv_dtype
-        self.tile_n = 64 * _NUM_MMA_WG
+        self.tile_n = 64 * NUM_MMA_WG
         # Register budget per MMA thread: S^T, dP^T (tile_m / 2 each) + dK, dV (head_dim / 2 each).
         self.tile_m = query_tile(head_dim)
         self.stages = 2
         # dQ = dS K is split over the two MMA warp groups along rows when tile_m = 128, else
         # along head_dim; each warp group reduces its own 64 x 64 part.
-        self.dq_split_rows = self.tile_m == 64 * _NUM_MMA_WG
-        self.dq_cols = head_dim if self.dq_split_rows else head_dim // _NUM_MMA_WG
-        self.dq_part = self.tile_m * head_dim // _NUM_MMA_WG
+        self.dq_split_rows = self.tile_m == 64 * NUM_MMA_WG
+        self.dq_cols = head_dim if self.dq_split_rows else head_dim // NUM_MMA_WG
+        self.dq_part = self.tile_m * head_dim // NUM_MMA_WG
         self.mma_regs = 240
         self.load_regs = 24
 
@@ -160,7 +155,7 @@ class AttentionBackwardSm90:
 
     def _mmas(self):
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        wg_rows = (_NUM_MMA_WG, 1, 1)
+        wg_rows = (NUM_MMA_WG, 1, 1)
         # S^T = K Q^T and dP^T = V dO^T: each warp group owns 64 key rows.
         self.mma_sdp = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, K, Float32, wg_rows, (64, self.tile_m))
@@ -171,7 +166,7 @@ class AttentionBackwardSm90:
         # dQ = dS K from shared memory.
         self.mma_dq = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, MN, Float32,
-            wg_rows if self.dq_split_rows else (1, _NUM_MMA_WG, 1), (64, self.dq_cols))
+            wg_rows if self.dq_split_rows else (1, NUM_MMA_WG, 1), (64, self.dq_cols))
 
     def _storage(self):
         d_q, d_k, d_s = (cute.cosize(l) for l in (self.sQ_layout, self.sK_layout, self.sdS_layout))
@@ -191,7 +186,7 @@ class AttentionBackwardSm90:
             delta: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
             tiles: cute.struct.Align[cute.struct.MemRange[self.dtype, tile_elems], 1024]
             ds: cute.struct.Align[cute.struct.MemRange[self.dtype, d_s], 1024]
-            dq: cute.struct.Align[cute.struct.MemRange[Float32, self.dq_part * _NUM_MMA_WG], 1024]
+            dq: cute.struct.Align[cute.struct.MemRange[Float32, self.dq_part * NUM_MMA_WG], 1024]
 
         return Storage
 
@@ -202,8 +197,9 @@ class AttentionBackwardSm90:
                  stream):
         """q, dout (b, sq, h, d); k, v (b, sk, hk, d); lse2, delta (b, h, sq rounded up to
         tile_m) fp32, lse2 in log2 units with +inf on rows that see no key; dq_acc (b, h,
-        sq tiles * tile_m * head_dim) fp32 in fragment order (added into); dk, dv (b, sk, hk, d) of dkv_dtype; sem (b, h, sq tiles) int32 zeros
-        when deterministic, else None."""
+        sq tiles * tile_m * head_dim) fp32 in fragment order (dq_layout.py; added into); dk, dv
+        (b, sk, hk, d) of dkv_dtype; sem (b, h, sq tiles) int32 zeros when deterministic, else
+        None."""
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype
                       or mV.element_type != self.dtype or mdO.element_type != self.dtype):
             raise TypeError("q, k, v, dout must all have the kernel's dtype")
@@ -291,7 +287,7 @@ class AttentionBackwardSm90:
                 cute.arch.mbarrier_init(mbar_kv, 1)
         producer = cutlass.pipeline.CooperativeGroup(cutlass.pipeline.Agent.Thread)
         consumer = cutlass.pipeline.CooperativeGroup(
-            cutlass.pipeline.Agent.Thread, _NUM_MMA_WG * _WG_THREADS // 32)
+            cutlass.pipeline.Agent.Thread, NUM_MMA_WG * WG_THREADS // 32)
         pipe_q = cutlass.pipeline.PipelineTmaAsync.create(
             barrier_storage=st.mbar_q.data_ptr(), num_stages=self.stages,
             producer_group=producer, consumer_group=consumer, tx_count=self.bytes_q,
@@ -308,7 +304,7 @@ class AttentionBackwardSm90:
         sdS = st.ds.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE = st.lse.get_tensor(cute.make_layout((self.tile_m, self.stages)))
         sDelta = st.delta.get_tensor(cute.make_layout((self.tile_m, self.stages)))
-        sdQ = st.dq.get_tensor(cute.make_layout((self.dq_part, _NUM_MMA_WG)))
+        sdQ = st.dq.get_tensor(cute.make_layout((self.dq_part, NUM_MMA_WG)))
 
         seqlen_q = tQ.shape[0]
         seqlen_k = tK.shape[0]
@@ -336,10 +332,10 @@ class AttentionBackwardSm90:
             cute.arch.setmaxregister_increase(self.mma_regs)
             acc_dK, acc_dV = self._mma(
                 sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, pipe_q, pipe_do, mbar_kv, mma_sdp,
-                mma_dkv, mma_dq, tidx - _WG_THREADS, softmax_scale, scale_log2,
+                mma_dkv, mma_dq, tidx - WG_THREADS, softmax_scale, scale_log2,
                 seqlen_k, n_block, m_block_min, steps_per_head, num_steps)
             self._epilogue_dkv(acc_dK, acc_dV, tiles, sdKV_layout, tdK, tdV, tma_dk, tma_dv,
-                               mma_dkv, tidx - _WG_THREADS, n_block, kv_head, batch)
+                               mma_dkv, tidx - WG_THREADS, n_block, kv_head, batch)
 
     @cute.jit
     def _load(self, tQ, tK, tV, tdO, tLSE, tDelta, sQ, sK, sV, sdO, sLSE, sDelta,
@@ -400,14 +396,14 @@ class AttentionBackwardSm90:
             g = step // steps_per_head
             m_block = m_block_min + step - g * steps_per_head
             head = head0 + g
-            for wg in cutlass.range_constexpr(_NUM_MMA_WG):
+            for wg in cutlass.range_constexpr(NUM_MMA_WG):
                 if const_expr(not self.deterministic):
                     if lane == 0:
                         # The previous reduction out of this buffer must have read it.
-                        cute.arch.cp_async_bulk_wait_group(_NUM_MMA_WG - 1 - wg, read=True)
+                        cute.arch.cp_async_bulk_wait_group(NUM_MMA_WG - 1 - wg, read=True)
                     cute.arch.sync_warp()
                 cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
-                                         number_of_threads=_WG_THREADS + 32)
+                                         number_of_threads=WG_THREADS + 32)
             if const_expr(self.deterministic):
                 # Wait for the KV blocks that add into this dQ tile before this one: blocks
                 # 0 .. n_block-1, or for causal the blocks after this one (descending order).
@@ -421,9 +417,9 @@ class AttentionBackwardSm90:
                     seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
                     while seen != turn:
                         seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
-            gdQ = mdQ[None, head, batch].iterator + m_block * _NUM_MMA_WG * self.dq_part
-            for wg in cutlass.range_constexpr(_NUM_MMA_WG):
-                cute.arch.barrier(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=_WG_THREADS + 32)
+            gdQ = mdQ[None, head, batch].iterator + m_block * NUM_MMA_WG * self.dq_part
+            for wg in cutlass.range_constexpr(NUM_MMA_WG):
+                cute.arch.barrier(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=WG_THREADS + 32)
                 if lane == 0:
                     _bulk_reduce_add_f32(gdQ + wg * self.dq_part, sdQ[None, wg].iterator,
                                          part_bytes)
@@ -445,10 +441,10 @@ class AttentionBackwardSm90:
              seqlen_k, n_block, m_block_min, steps_per_head, num_steps):
         """The main loop of the MMA warp groups; returns this thread's dK, dV accumulators."""
         d = self.head_dim
-        wg = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
-        wg_sdp = mma_sdp.get_slice(wg * _WG_THREADS)
-        wg_dkv = mma_dkv.get_slice(wg * _WG_THREADS)
-        wg_dq = mma_dq.get_slice(wg * _WG_THREADS)
+        wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+        wg_sdp = mma_sdp.get_slice(wg * WG_THREADS)
+        wg_dkv = mma_dkv.get_slice(wg * WG_THREADS)
+        wg_dq = mma_dq.get_slice(wg * WG_THREADS)
         thr_sdp = mma_sdp.get_slice(tidx)
 
         # Operand fragments (shared memory descriptors; last mode = pipeline stage).
@@ -475,11 +471,11 @@ class AttentionBackwardSm90:
         tdSs = thr_r2s_ds.partition_D(_transpose(sdS))
         # dQ registers -> this warp group's fp32 buffer in fragment order: register group i of
         # thread t at (i * WG threads + t) * 4, one 512-byte line per warp and store.
-        dq_regs = self.dq_part // _WG_THREADS
-        dq_store = (_DQ_REGS_PER_STORE, dq_regs // _DQ_REGS_PER_STORE)
+        dq_regs = self.dq_part // WG_THREADS
+        dq_store = (REGS_PER_STORE, dq_regs // REGS_PER_STORE)
         tdQs = cute.make_tensor(
-            sdQ[None, wg].iterator + (tidx % _WG_THREADS) * _DQ_REGS_PER_STORE,
-            cute.make_layout(dq_store, stride=(1, _DQ_REGS_PER_STORE * _WG_THREADS)))
+            sdQ[None, wg].iterator + (tidx % WG_THREADS) * REGS_PER_STORE,
+            cute.make_layout(dq_store, stride=(1, REGS_PER_STORE * WG_THREADS)))
 
         # (key, query) coordinates of each S^T element this thread holds.
         cS = _acc_mn(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))),
@@ -539,7 +535,7 @@ class AttentionBackwardSm90:
             wgmma.gemm(mma_dkv, acc_dV, wgmma.acc_as_operand_a(p), tdVrdO[None, None, None, stage],
                   zero_init=False, wait=-1)
             cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=_BAR_PDS, number_of_threads=_NUM_MMA_WG * _WG_THREADS)
+            cute.arch.barrier(barrier_id=_BAR_PDS, number_of_threads=NUM_MMA_WG * WG_THREADS)
 
             acc_dq = cute.make_rmem_tensor(mma_dq.partition_shape_C((self.tile_m, d)), Float32)
             wgmma.gemm(mma_dq, acc_dq, tdQrdS[None, None, None, stage], tdQrK, zero_init=True,
@@ -549,11 +545,11 @@ class AttentionBackwardSm90:
                   zero_init=False, wait=1)
 
             # dQ part -> shared memory -> dQ warp, which adds it into global memory.
-            cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + wg, number_of_threads=_WG_THREADS + 32)
+            cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + wg, number_of_threads=WG_THREADS + 32)
             cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout(dq_store)), tdQs)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + wg,
-                                     number_of_threads=_WG_THREADS + 32)
+                                     number_of_threads=WG_THREADS + 32)
 
             warpgroup.wait_group(0)
             pipe_q.consumer_release(state)
@@ -568,7 +564,7 @@ class AttentionBackwardSm90:
         """Stage dK and dV in the Q/dO/K/V tiles and store (or add, for fp32 buffers) them with
         TMA; the tensor map clips rows past seqlen_k."""
         # Both warp groups are past their last product (each dQ product reads all of K).
-        mma_threads = _NUM_MMA_WG * _WG_THREADS
+        mma_threads = NUM_MMA_WG * WG_THREADS
         cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=mma_threads)
         sdV = _carve(tiles, sdKV_layout, self.dkv_dtype)
         sdK = _carve(tiles + self.sdKV_elems, sdKV_layout, self.dkv_dtype)
