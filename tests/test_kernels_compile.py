@@ -1,9 +1,10 @@
 """The CuTe kernels compile for Hopper on a machine without a GPU, and the cute backend refuses
 what it cannot run with a reason.
 
-All 40 shipped variants take ~3 min to compile on 2 cores, so CI compiles a representative
-subset (SUBSET, ~1 min): every forward variant and one backward variant per (head_dim, causal)
-in bf16. `python -m ringfa4.kernels --dump DIR` compiles them all."""
+The 40 shipped attention variants take ~3 min to compile on 2 cores (the 14 backward pre- and
+postprocess variants a few seconds), so CI compiles a representative subset (SUBSET, ~1 min):
+every forward variant and one backward variant per (head_dim, causal) in bf16.
+`python -m ringfa4.kernels --dump DIR` compiles them all."""
 import os
 import re
 import subprocess

@@ -12,7 +12,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
-from ringfa4.kernels.dq_layout import NUM_MMA_WG, PART, REGS_PER_STORE, WG_THREADS, query_tile
+from ringfa4.kernels.dq_layout import (NUM_MMA_WG, PART, REGS_PER_STORE, WG_THREADS,
+                                       parts_split_rows, query_tile)
 
 _THREADS = NUM_MMA_WG * WG_THREADS
 _COLS = 8  # columns of one register group j
@@ -26,7 +27,7 @@ class DqPostprocess:
         self.head_dim = head_dim
         self.add = add
         self.tile_m = query_tile(head_dim)
-        self.split_rows = self.tile_m == PART * NUM_MMA_WG
+        self.split_rows = parts_split_rows(head_dim)
 
     @cute.jit
     def __call__(self, mAcc: cute.Tensor, mdQ: cute.Tensor, stream):
@@ -100,3 +101,12 @@ class DqPostprocessConfig:
                                           assumed_align=16),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
         )
+
+
+# Shipped postprocess variants: what the backward asks for (dq fresh or given in the input dtype,
+# or an fp32 dq to add into), for every head_dim.
+VARIANTS = [
+    DqPostprocessConfig(dt, d, add)
+    for d in (64, 128)
+    for dt, add in (("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True), ("fp32", True))
+]

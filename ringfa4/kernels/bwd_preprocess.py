@@ -1,9 +1,8 @@
 """Backward preprocess: delta = softmax_scale * rowsum(dO * O) in fp32 and the lse in log2 units,
-written as
-(b, h, s_pad) fp32 rows padded to whole query tiles of the backward kernel (which loads them by
-TMA). delta carries the softmax scale so that the kernel's dS = P * (dP * scale - delta) is already
-scaled: dQ and dK then need no multiply of their own. Rows that see no key (lse = -inf) and pad rows get lse +inf, so that P = exp2(S - lse)
-is exactly 0 there instead of NaN.
+written as (b, h, s_pad) fp32 rows padded to whole query tiles of the backward kernel (which loads
+them by TMA). delta carries the softmax scale so that the kernel's dS = P * (dP * scale - delta) is
+already scaled: dQ and dK then need no multiply of their own. Rows that see no key (lse = -inf)
+and pad rows get lse +inf, so that P = exp2(S - lse) is exactly 0 there instead of NaN.
 
 Eight threads share one row (head_dim / 8 contiguous elements each, 16-byte loads) and add
 their partial sums with butterfly shuffles.
@@ -91,3 +90,7 @@ class BwdPreprocessConfig:
             stats(s), stats(s_pad), stats(s_pad), Float32(1.0),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
         )
+
+
+# Shipped preprocess variants: every (dtype, head_dim) of the backward.
+VARIANTS = [BwdPreprocessConfig(dt, d) for dt in ("bf16", "fp16") for d in (64, 128)]

@@ -49,7 +49,8 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from ringfa4.backends.cute import DTYPE_NAMES, tma_compatible
 from ringfa4.kernels import wgmma
 from ringfa4.kernels.bwd_postprocess import DqPostprocessConfig
-from ringfa4.kernels.dq_layout import NUM_MMA_WG, REGS_PER_STORE, WG_THREADS, query_tile
+from ringfa4.kernels.dq_layout import (NUM_MMA_WG, REGS_PER_STORE, WG_THREADS, parts_split_rows,
+                                       query_tile)
 from ringfa4.kernels.softmax import LOG2_E
 
 # Named barriers (id 0 is __syncthreads).
@@ -137,7 +138,7 @@ class AttentionBackwardSm90:
         self.stages = 2
         # dQ = dS K is split over the two MMA warp groups along rows when tile_m = 128, else
         # along head_dim; each warp group reduces its own 64 x 64 part.
-        self.dq_split_rows = self.tile_m == 64 * NUM_MMA_WG
+        self.dq_split_rows = parts_split_rows(head_dim)
         self.dq_cols = head_dim if self.dq_split_rows else head_dim // NUM_MMA_WG
         self.dq_part = self.tile_m * head_dim // NUM_MMA_WG
         self.mma_regs = 240

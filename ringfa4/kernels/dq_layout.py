@@ -18,3 +18,8 @@ def query_tile(head_dim: int) -> int:
     """Rows of a dQ tile: 128 at head_dim 64 (the parts split the rows), 64 at 128 (they split
     the columns)."""
     return 128 if head_dim == 64 else 64
+
+
+def parts_split_rows(head_dim: int) -> bool:
+    """Whether the warp groups' parts split a dQ tile's rows (else its columns)."""
+    return query_tile(head_dim) == PART * NUM_MMA_WG
