@@ -6,7 +6,8 @@ total length and (b) PyTorch's context_parallel ring over cuDNN SDPA, on the sam
 
 Batch 1, hdim 128, bf16; heads/kv_heads 32/32 and 32/8; total causal sequence 16k..128k plus
 non-causal 32k. Times are per fwd+bwd call, CUDA events around a fixed number of calls after
-warm-up, the slowest rank's. FLOPs 3.5 * 4*s*s*h*d (halved for causal): backward = 2.5x forward.
+warm-up, the slowest rank's, the median of rounds in which the 1-GPU call and the ring take
+turns (see Timer). FLOPs 3.5 * 4*s*s*h*d (halved for causal): backward = 2.5x forward.
 efficiency = single_ms / (W * ringfa4_ms). PyTorch's ring gets the same q, k, v with kv heads
 repeated to the query heads (its SDPA path takes no GQA; torchtitan does the same), default
 rotate method and load balancer (disabled for non-causal, which it refuses otherwise).
@@ -44,7 +45,8 @@ def parse_args():
     p.add_argument("--heads", default="32:32,32:8", help="heads:kv_heads pairs")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--iters", type=int, default=3, help="calls per round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, taken in turn by the contenders of a row")
     p.add_argument("--commit", default=None, help="commit of the measured tree (default: git rev-parse)")
     p.add_argument("--out", default=None, help=f"JSON rows (default {RESULTS}; none in --smoke mode)")
     p.add_argument("--smoke", action="store_true", help="CPU/gloo, backend torch, float32, tiny shapes")
@@ -61,16 +63,27 @@ def fwd_bwd_flops(seq, heads, head_dim, causal):
 
 
 class Timer:
-    """ms per call of fn (slowest rank), CUDA events on GPU, perf_counter on CPU."""
+    """ms per call of each of several fns (slowest rank), CUDA events on GPU, perf_counter on CPU.
 
-    def __init__(self, device, warmup, iters):
-        self.device, self.warmup, self.iters = device, warmup, iters
+    The fns take turns, ``iters`` calls of one at a time, for ``rounds`` rounds, and each gets the
+    median of its rounds: a drift of the GPUs' clocks over a row (power, heat) then reaches every
+    contender alike instead of whichever ran during it."""
 
-    def __call__(self, fn):
-        for _ in range(self.warmup):
-            fn()
+    def __init__(self, device, warmup, iters, rounds):
+        self.device, self.warmup, self.iters, self.rounds = device, warmup, iters, rounds
+
+    def __call__(self, *fns):
+        for fn in fns:
+            for _ in range(self.warmup):
+                fn()
         self._sync()
         dist.barrier()
+        ms = [[self._time(fn) for fn in fns] for _ in range(self.rounds)]
+        worst = torch.tensor(ms, dtype=torch.float64, device=self.device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        return tuple(worst.median(dim=0).values.tolist())
+
+    def _time(self, fn):
         if self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -78,15 +91,11 @@ class Timer:
                 fn()
             end.record()
             end.synchronize()
-            ms = start.elapsed_time(end) / self.iters
-        else:
-            t0 = time.perf_counter()
-            for _ in range(self.iters):
-                fn()
-            ms = (time.perf_counter() - t0) * 1e3 / self.iters
-        worst = torch.tensor([ms], dtype=torch.float64, device=self.device)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        return worst.item()
+            return start.elapsed_time(end) / self.iters
+        t0 = time.perf_counter()
+        for _ in range(self.iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / self.iters
 
     def _sync(self):
         if self.device.type == "cuda":
@@ -131,9 +140,15 @@ def torch_cp(q, k, v, dout, causal, timer, mesh):
             leaves = [t.detach().requires_grad_() for t in bufs[:3]]
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 sdpa = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
-                return timer(fwd_bwd(sdpa, leaves, bufs[3])), str(_cp_options.rotate_method.name)
+                return timer(fwd_bwd(sdpa, leaves, bufs[3]))[0], str(_cp_options.rotate_method.name)
     finally:
         _cp_options.enable_load_balance = old
+
+
+def _device_mallocs(device):
+    """cudaMalloc calls the caching allocator has made so far (each may wait for the device):
+    a timed call that needs new ones pays for them."""
+    return torch.cuda.memory_stats(device).get("num_device_alloc", 0) if device.type == "cuda" else 0
 
 
 def commit(args):
@@ -155,7 +170,7 @@ def merge_microbench(timer, local, heads, head_dim, device):
     lse_part = torch.randn(1, heads, local // 2, device=device, generator=gen)
     half = local // 2
     view = (out[:, half:], lse[:, :, half:], part, lse_part)
-    return timer(lambda: merge.merge_(*view)), timer(lambda: merge._merge_into(*view))
+    return timer(lambda: merge.merge_(*view), lambda: merge._merge_into(*view))
 
 
 def main():
@@ -174,7 +189,7 @@ def main():
     if device.type == "cuda":
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cuda", (world,))
-    timer = Timer(device, args.warmup, args.iters)
+    timer = Timer(device, args.warmup, args.iters, args.rounds)
     say = print if rank == 0 else (lambda *a, **k: None)
     meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (gloo smoke)",
                 commit=commit(args), date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -219,8 +234,9 @@ def main():
                 dist.all_reduce(diff, op=dist.ReduceOp.MAX)
                 if not diff.item() < MAX_DIFF:
                     raise RuntimeError(f"ring output differs from one GPU's by {diff.item():.3g} ({name} seq={seq} causal={causal})")
-                single_ms = timer(single)
-                ring_ms = timer(ring)
+                mallocs = _device_mallocs(device)
+                single_ms, ring_ms = timer(single, ring)
+                mallocs = _device_mallocs(device) - mallocs
                 with timeline.recording() as tl:
                     ring()
                 by_rank = [None] * world
@@ -234,6 +250,7 @@ def main():
                            torch_cp_tflops_per_gpu=None if cp_ms is None else round(flops / world / (cp_ms * 1e-3) / 1e12, 1),
                            torch_cp_rotate=cp_rotate, torch_cp_error=cp_error,
                            max_abs_diff_vs_single=float(f"{diff.item():.3g}"),
+                           device_mallocs_while_timed=mallocs,
                            kv_bytes_per_step=2 * (seq // world) * hk * d * q.element_size(),
                            step_ms=by_rank[0], step_ms_by_rank=by_rank)
                 if device.type == "cuda" and seq // world == 16384 and causal:

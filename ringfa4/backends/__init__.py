@@ -14,12 +14,20 @@ Every backend module defines:
         global one inside a ring), so one ring step's result is exactly its share of the full
         gradient. Given dq/dk/dv buffers (any float dtype, fp32 in the ring) receive the gradients
         ADDED to what they hold and are returned; otherwise new tensors of the input dtype are.
+    query_state(dout, q, out, lse, softmax_scale, chunk) -> state with rows(sl) and dq()
+        Where a ring keeps dQ over its backward steps, which differ only in the keys:
+        ``state.rows(sl)`` is what a step over the query rows sl passes as ``dq`` (every sl starts
+        on a multiple of ``chunk`` and ends on one or at the end), ``state.dq()`` the sum in q's
+        dtype. A backend may also keep there what depends on the queries alone; DqBuffer, which
+        keeps just dQ, serves backends with nothing better.
 
 Inputs may be views that are non-contiguous in the sequence dimension (a ring step slices
 one chunk of the local sequence); the head dimension is always contiguous.
 Causal attention requires sq == sk (the ring never asks for anything else).
 """
 import importlib
+
+import torch
 
 NAMES = ("torch", "cute", "fa4")
 AUTO_ORDER = ("cute", "fa4", "torch")
@@ -30,3 +38,18 @@ def get(name):
     if name not in NAMES:
         raise ValueError(f"backend must be one of {('auto',) + NAMES}, got {name!r}")
     return importlib.import_module(f"ringfa4.backends.{'torch_ref' if name == 'torch' else name}")
+
+
+class DqBuffer:
+    """A query_state that sums dQ in a (b, s, h, d) tensor of the lse's dtype (fp32, fp64 for
+    fp64 inputs); a step's dq is a row slice of it."""
+
+    def __init__(self, q, lse):
+        self._sum = torch.zeros_like(q, dtype=lse.dtype)
+        self._dtype = q.dtype
+
+    def rows(self, sl):
+        return self._sum[:, sl]
+
+    def dq(self):
+        return self._sum.to(self._dtype)

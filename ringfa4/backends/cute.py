@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from ringfa4.backends import DqBuffer
+
 HEAD_DIMS = (64, 128)
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # the kernels' input dtypes
 
@@ -120,3 +122,18 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     return bwd_sm90.backward(dout, q, k, v, out, lse, causal, scale, dq, dk, dv,
                              deterministic=deterministic)
+
+
+def query_state(dout, q, out, lse, softmax_scale, chunk):
+    """The backward kernel's QueryState when the steps' rows start on its query tiles (chunks of
+    whole tiles, or every step over all rows) and the inputs are the kernels'; DqBuffer otherwise."""
+    from ringfa4.kernels.dq_layout import query_tile
+
+    d = q.shape[-1]
+    if (unsupported_reason(q, q, q, False, grad=True) is not None or lse.dtype != torch.float32
+            or (chunk < q.shape[1] and chunk % query_tile(d))):
+        return DqBuffer(q, lse)
+    from ringfa4.kernels import bwd_sm90
+
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return bwd_sm90.QueryState(dout, q, out, lse, scale)

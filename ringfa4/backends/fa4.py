@@ -7,6 +7,8 @@ import inspect
 
 import torch
 
+from ringfa4.backends import DqBuffer
+
 TESTED_VERSION = "4.0.0b36"
 _FWD_PARAMS = {"softmax_scale", "causal", "return_lse"}
 _BWD_PARAMS = {"softmax_scale", "causal", "deterministic", "dq", "dk", "dv"}
@@ -60,3 +62,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     return tuple(
         g if buf is None else buf.add_(g) for g, buf in zip(grads, (dq, dk, dv))
     )
+
+
+def query_state(dout, q, out, lse, softmax_scale, chunk):
+    return DqBuffer(q, lse)

@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from ringfa4.backends import DqBuffer
+
 BLOCK = 512
 
 
@@ -105,3 +107,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         g.to(x.dtype) if buf is None else buf.add_(g.to(buf.dtype))
         for g, buf, x in zip(grads, given, (q, k, v))
     )
+
+
+def query_state(dout, q, out, lse, softmax_scale, chunk):
+    return DqBuffer(q, lse)

@@ -669,11 +669,87 @@ def _check(name, t, shape, dtypes):
         raise ValueError(f"{name} must have dtype in {dtypes}, got {t.dtype}")
 
 
+@dataclass(frozen=True)
+class QueryRows:
+    """Whole query tiles of a QueryState, as views at their first tile: what a backward call
+    over those rows reads (lse2, delta) and adds its dQ into."""
+
+    dq_acc: torch.Tensor  # (b, h, tiles * tile_m * head_dim) fp32, fragment order
+    lse2: torch.Tensor  # (b, h, tiles * tile_m) fp32, lse in log2 units
+    delta: torch.Tensor  # (b, h, tiles * tile_m) fp32, softmax_scale * rowsum(dO * O)
+    softmax_scale: float  # the one folded into delta
+
+
+def _query_rows(dout, out, lse, softmax_scale):
+    """Preprocessed rows of (dout, out, lse) with a zeroed dQ accumulator."""
+    b, s, h, d = out.shape
+    tile_m = query_tile(d)
+    padded = (s + tile_m - 1) // tile_m * tile_m
+    dev = out.device
+    rows = QueryRows(torch.zeros((b, h, padded * d), dtype=torch.float32, device=dev),
+                     torch.empty((b, h, padded), dtype=torch.float32, device=dev),
+                     torch.empty((b, h, padded), dtype=torch.float32, device=dev),
+                     float(softmax_scale))
+    from ringfa4.kernels.bwd_preprocess import BwdPreprocessConfig
+    from ringfa4.kernels.compile import compile_variant
+
+    compile_variant(BwdPreprocessConfig(DTYPE_NAMES[out.dtype], d))(
+        out if tma_compatible(out) else out.contiguous(), dout,
+        lse if lse.stride(-1) == 1 else lse.contiguous(), rows.lse2, rows.delta, rows.softmax_scale)
+    return rows
+
+
+def _postprocess(dq_acc, dq, add):
+    from ringfa4.kernels.compile import compile_variant
+
+    compile_variant(DqPostprocessConfig(_DQ_DTYPE_NAMES[dq.dtype], dq.shape[-1], add))(dq_acc, dq)
+
+
+class QueryState:
+    """What the backward calls over one set of queries share when they differ only in the keys
+    (the steps of a ring): lse2 and delta from one preprocess pass, and one fragment-order dQ
+    accumulator that every call adds into and `dq()` puts back in (b, s, h, d) once. Per call
+    that saves a preprocess pass, zeroing an accumulator and a postprocess pass adding it into
+    an fp32 dq; and the fp32 dq itself.
+
+    ``rows(sl)`` is what a call over the query rows ``sl`` takes as its ``dq``: sl must start
+    on a query tile (a multiple of query_tile(head_dim)) and end on one or at the end."""
+
+    def __init__(self, dout, q, out, lse, softmax_scale):
+        b, s, h, d = q.shape
+        _check("out", out, (b, s, h, d), (q.dtype,))
+        _check("dout", dout, (b, s, h, d), (q.dtype,))
+        _check("lse", lse, (b, h, s), (torch.float32,))
+        self.shape, self.dtype, self.tile_m = (b, s, h, d), q.dtype, query_tile(d)
+        dout = dout.detach() if tma_compatible(dout) else dout.detach().contiguous()
+        self._all = _query_rows(dout, out.detach(), lse.detach(), softmax_scale)
+
+    def rows(self, sl: slice) -> QueryRows:
+        s, d, tile_m = self.shape[1], self.shape[3], self.tile_m
+        start, stop, step = sl.indices(s)
+        if step != 1 or start % tile_m or (stop % tile_m and stop != s) or start >= stop:
+            raise ValueError(f"rows must be a non-empty slice of step 1 from a multiple of {tile_m} "
+                             f"to a multiple of {tile_m} or the end ({s}), got {sl}")
+        first, end = start // tile_m, (stop + tile_m - 1) // tile_m
+        stats = slice(first * tile_m, end * tile_m)
+        acc = slice(first * tile_m * d, end * tile_m * d)
+        return QueryRows(self._all.dq_acc[:, :, acc], self._all.lse2[:, :, stats],
+                         self._all.delta[:, :, stats], self._all.softmax_scale)
+
+    def dq(self) -> torch.Tensor:
+        """The summed dQ of every call so far, in the queries' dtype."""
+        dq = torch.empty(self.shape, dtype=self.dtype, device=self._all.dq_acc.device)
+        _postprocess(self._all.dq_acc, dq, add=False)
+        return dq
+
+
 def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, dv=None,
              deterministic=False):
     """Gradients of attention with the softmax normalised by the given lse (natural log,
     (b, h, sq) fp32). Given dq/dk/dv receive the gradients added to what they hold (fp32 dk/dv
-    by the kernel itself; dq by the postprocess that reads the kernel's accumulator)."""
+    by the kernel itself; dq by the postprocess that reads the kernel's accumulator). dq may
+    also be the QueryRows of these queries: the kernel then adds into its accumulator and uses
+    its lse2 and delta (lse and out are not read again) and returns it as dq."""
     if q.dim() != 4:
         raise ValueError(f"q must be (batch, seq, heads, head_dim), got shape {tuple(q.shape)}")
     b, sq, h, d = q.shape
@@ -702,44 +778,47 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         if not tma_compatible(t):
             raise ValueError(f"{name} needs a contiguous head dim and 16-byte aligned strides, "
                              f"got strides {t.stride()}")
-    for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+    for name, buf, like in (("dk", dk, k), ("dv", dv, v)):
         if buf is not None:
             _check(name, buf, like.shape, (torch.float16, torch.bfloat16, torch.float32))
 
-    tile_m = query_tile(d)
-    n_m = (sq + tile_m - 1) // tile_m
+    padded = (sq + query_tile(d) - 1) // query_tile(d) * query_tile(d)
+    if isinstance(dq, QueryRows):
+        _check("dq.lse2", dq.lse2, (b, h, padded), (torch.float32,))
+        _check("dq.dq_acc", dq.dq_acc, (b, h, padded * d), (torch.float32,))
+        if dq.softmax_scale != float(softmax_scale):
+            raise ValueError(f"softmax_scale ({softmax_scale}) must be the one of dq's QueryState "
+                             f"({dq.softmax_scale})")
+        rows = dq
+    else:
+        if dq is not None:
+            _check("dq", dq, q.shape, (torch.float16, torch.bfloat16, torch.float32))
+        rows = _query_rows(dout, out, lse, softmax_scale)
+
     dev = q.device
-    from ringfa4.kernels.bwd_preprocess import BwdPreprocessConfig
-    from ringfa4.kernels.compile import compile_variant
-
-    dtype = DTYPE_NAMES[q.dtype]
-    lse2 = torch.empty((b, h, n_m * tile_m), dtype=torch.float32, device=dev)
-    delta = torch.empty((b, h, n_m * tile_m), dtype=torch.float32, device=dev)
-    compile_variant(BwdPreprocessConfig(dtype, d))(
-        out if tma_compatible(out) else out.contiguous(), dout,
-        lse if lse.stride(-1) == 1 else lse.contiguous(), lse2, delta, float(softmax_scale))
-
-    dq_acc = torch.zeros((b, h, n_m * tile_m * d), dtype=torch.float32, device=dev)
     dkv_fp32 = all(t is not None and t.dtype == torch.float32 and tma_compatible(t) for t in (dk, dv))
     if dkv_fp32:
         dk_out, dv_out = dk, dv
     else:
         dk_out = torch.empty((b, sk, hk, d), dtype=q.dtype, device=dev)
         dv_out = torch.empty((b, sk, hk, d), dtype=q.dtype, device=dev)
-    sem = (torch.zeros((b, h, n_m), dtype=torch.int32, device=dev) if deterministic else None)
+    sem = (torch.zeros((b, h, padded // query_tile(d)), dtype=torch.int32, device=dev)
+           if deterministic else None)
 
-    cfg = BwdSm90Config(dtype, d, bool(causal), bool(deterministic), dkv_fp32)
-    fn = compile_variant(cfg)
-    fn(q, k, v, dout, lse2, delta, dq_acc, dk_out, dv_out, sem, float(softmax_scale))
+    from ringfa4.kernels.compile import compile_variant
 
-    # dq <- (or +=) the accumulator; a dq the postprocess cannot address gets a fresh one added.
-    add = dq is not None and tma_compatible(dq)
-    dq_out = dq if add else torch.empty_like(q, memory_format=torch.contiguous_format)
-    compile_variant(DqPostprocessConfig(_DQ_DTYPE_NAMES[dq_out.dtype], d, add))(dq_acc, dq_out)
-    if dq is None:
-        dq = dq_out
-    elif not add:
-        dq.add_(dq_out)
+    cfg = BwdSm90Config(DTYPE_NAMES[q.dtype], d, bool(causal), bool(deterministic), dkv_fp32)
+    compile_variant(cfg)(q, k, v, dout, rows.lse2, rows.delta, rows.dq_acc, dk_out, dv_out, sem,
+                         float(softmax_scale))
+
+    if rows is not dq:  # dq <- (or +=) the accumulator; a dq it cannot address gets a fresh one added
+        add = dq is not None and tma_compatible(dq)
+        dq_out = dq if add else torch.empty_like(q, memory_format=torch.contiguous_format)
+        _postprocess(rows.dq_acc, dq_out, add)
+        if dq is None:
+            dq = dq_out
+        elif not add:
+            dq.add_(dq_out)
     if not dkv_fp32:
         if dk is None:
             dk = dk_out

@@ -17,7 +17,7 @@ import torch
 from ringfa4.ring import timeline
 from ringfa4.ring.comm import Ring
 from ringfa4.ring.merge import merge_
-from ringfa4.ring.schedule import plan
+from ringfa4.ring.schedule import plan, row_chunk
 
 
 def _empty_like(tensors, dtype=None):
@@ -62,7 +62,7 @@ def ring_forward(backend, q, k, v, causal, softmax_scale, group, rank, world, la
 
 def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_scale, group, rank, world,
                   layout, deterministic):
-    """dq stays home in fp32 (the backend adds each step into it; own kernels do so in place).
+    """dq stays home in the backend's query state, which every step adds into.
 
     A step asks the backend for fresh dK/dV of its block (no buffer to zero) while the sums of that
     block are still in flight from the next rank, and adds them once they have arrived. The local
@@ -71,7 +71,7 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
     ring = Ring(group, q.device, reverse=True)
     kv = kv_first
     targets = [_empty_like(kv) for _ in range(min(2, world - 2))]
-    dq = torch.zeros_like(q, dtype=lse.dtype)  # fp32, or fp64 for fp64 inputs
+    queries = backend.query_state(dout, q, out, lse, softmax_scale, row_chunk(layout, causal, q.shape[1]))
     dkv = inbox = None
     dkv_works = []
     for j in range(world):
@@ -85,7 +85,7 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
             rows = step.q
             _, *grads = backend.backward(
                 dout[:, rows], q[:, rows], kv[0][:, step.kv], kv[1][:, step.kv], out[:, rows],
-                lse[:, :, rows], step.causal, softmax_scale, dq=dq[:, rows], deterministic=deterministic,
+                lse[:, :, rows], step.causal, softmax_scale, dq=queries.rows(rows), deterministic=deterministic,
             )
         if j == 0:  # this block's sums start here
             sum_dtype = _sum_dtype(kv[0], lse, world)
@@ -111,7 +111,7 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
             ring.wait(kv_works)
             kv = targets[j % 2] if j + 2 < world else [k, v]
     dk, dv = dkv
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return queries.dq(), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class RingAttention(torch.autograd.Function):

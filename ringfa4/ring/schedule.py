@@ -28,3 +28,8 @@ def plan(rank, source, layout, causal, local_len):
     if source < rank:
         return Step(everything, slice(0, half), False)
     return Step(slice(half, local_len), everything, False)
+
+
+def row_chunk(layout, causal, local_len):
+    """Every step's query rows start on a multiple of this and end on one or at local_len."""
+    return local_len // 2 if causal and layout == "zigzag" else local_len

@@ -160,6 +160,45 @@ def test_backward_with_merged_lse_over_two_kv_halves_equals_full_backward():
     _assert_close("dv", dv, g64[2], glow[2])
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_query_state_sums_calls_over_row_chunks_like_one_backward(deterministic):
+    """The ring's use of a QueryState: calls over (query chunk, key half) pieces, with the global
+    lse, add into one accumulator; its dq() and the pieces' dk, dv sums are the full gradient.
+    600 rows end in a partial query tile; the poisoned allocator shows any accumulator or dq
+    element left unzeroed or unwritten."""
+    b, sq, sk, h, hk, d = 2, 600, 1024, 4, 2, 128
+    scale = 0.1
+    q, k, v, dout = _inputs(b, sq, sk, h, hk, d, torch.bfloat16, seed=13, offset=8)
+    out, lse, g64, glow = _references(q, k, v, dout, False, scale)
+    _poison_allocator(q, k, v)
+    state = bwd_sm90.QueryState(dout, q, out, lse, scale)
+    dk = torch.zeros(k.shape, device="cuda")
+    dv = torch.zeros(v.shape, device="cuda")
+    pieces = [(slice(0, 256), slice(0, sk)), (slice(256, sq), slice(0, 512)),
+              (slice(256, sq), slice(512, sk))]
+    for rows, keys in pieces:
+        got = bwd_sm90.backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows],
+                                lse[:, :, rows], False, scale, state.rows(rows), dk[:, keys],
+                                dv[:, keys], deterministic=deterministic)
+        assert isinstance(got[0], bwd_sm90.QueryRows)
+    dq = state.dq()
+    assert dq.dtype == q.dtype and dq.shape == q.shape
+    _assert_close("dq", dq, g64[0], glow[0])
+    _assert_close("dk", dk, g64[1], glow[1])
+    _assert_close("dv", dv, g64[2], glow[2])
+
+
+def test_query_state_refuses_rows_off_its_tiles_and_another_scale():
+    q, k, v, dout = _inputs(1, 300, 300, 2, 2, 128, torch.bfloat16, seed=2)
+    out, lse, _, _ = _references(q, k, v, dout, False, 0.1)
+    state = bwd_sm90.QueryState(dout, q, out, lse, 0.1)
+    for bad in (slice(10, 300), slice(0, 100), slice(0, 300, 2), slice(64, 64)):
+        with pytest.raises(ValueError, match="rows must be"):
+            state.rows(bad)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        bwd_sm90.backward(dout, q, k, v, out, lse, False, 0.2, state.rows(slice(0, 300)))
+
+
 def test_bad_inputs_are_refused_with_the_argument_named():
     q, k, v, dout = _inputs(1, 128, 128, 2, 2, 128, torch.bfloat16, seed=1)
     out = torch.zeros_like(q)
