@@ -14,6 +14,7 @@ the other waiting in a collective.
 import datetime
 import os
 import sys
+import traceback
 
 import pytest
 import torch
@@ -44,7 +45,8 @@ def world():
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=5))
+        # short: a rank left waiting in a collective fails the run in 2 minutes, not 10
+        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=2))
     return dist.get_world_size()
 
 
@@ -100,8 +102,12 @@ def test_two_gpu_ring_matches_one_gpu_attention(world, backend, shape, layout, c
 
     _poison_allocator()
     local = [ringfa4.shard(t, layout=layout).requires_grad_() for t in (q, k, v)]
-    out, lse = ringfa4.ring_attention(*local, causal=causal, layout=layout, backend=backend, return_lse=True)
-    grads = torch.autograd.grad(out, local, ringfa4.shard(dout, layout=layout))
+    try:  # an error on one rank must reach the other, which would otherwise wait in _agree
+        out, lse = ringfa4.ring_attention(*local, causal=causal, layout=layout, backend=backend, return_lse=True)
+        grads = torch.autograd.grad(out, local, ringfa4.shard(dout, layout=layout))
+    except Exception as e:
+        failures = _agree(["ring raised " + "".join(traceback.format_exception(e)[-4:])])
+        pytest.fail("; ".join(failures))
     ring = dict(out=out, lse=lse, **{f"d{n}": g for n, g in zip("qkv", grads)})
 
     failures = []
