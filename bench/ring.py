@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import ringfa4  # noqa: E402
 from ringfa4 import backends  # noqa: E402
-from ringfa4.ring import merge, timeline  # noqa: E402
+from ringfa4.ring import comm, merge, timeline  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ring.json")
 # The ring's bf16 output vs one GPU's: two roundings of values |O| < ~4 apart, never more.
@@ -182,7 +182,7 @@ def main():
     else:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, pg_options=comm.nccl_options())
         dtype = torch.bfloat16
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = None

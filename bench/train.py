@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from ringfa4.nn import ModelArgs, Transformer, build_mesh, parallelize, shard_sequence  # noqa: E402
 from ringfa4.nn.parallel import CP  # noqa: E402
+from ringfa4.ring import comm  # noqa: E402
 from ringfa4.train import data, launch, metrics  # noqa: E402
 from ringfa4.train.config import Settings, check_backend  # noqa: E402
 from ringfa4.train.trainer import loss_share  # noqa: E402
@@ -132,7 +133,8 @@ def worker(opts, rank, world, local_rank):
     else:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device,
+                                pg_options=comm.nccl_options())
     try:
         args = model_args(opts.model)
         param_dtype = None if opts.tiny else torch.bfloat16

@@ -14,13 +14,20 @@ import torch.distributed as dist
 from ringfa4.ring import timeline
 
 
+def nccl_options():
+    """Options for the NCCL process group a ring runs on: NCCL's streams at high priority.
+
+    At normal priority, a transfer posted while the compute stream has a kernel queued that fills
+    every SM gets no SM until that kernel's last CTAs are placed: measured on 2 x H200, the dK/dV
+    hop of a backward then took the whole next step (40-156 ms instead of 2.5-5) and up to 9 ms of
+    it was exposed. At high priority the transfer's CTAs go first as soon as any CTA ends.
+    (TORCH_NCCL_HIGH_PRIORITY=1 sets the same for every process group.)"""
+    return dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+
+
 @functools.cache
 def _comm_stream(device):
-    # High priority: a transfer posted while a kernel that fills every SM is queued on the compute
-    # stream would otherwise get no SM until that kernel's last CTAs drain (measured: the dK/dV hop
-    # of a 2-rank backward then took the whole local step, 40-155 ms instead of 2.5-5 ms, and was
-    # exposed). With it, the block scheduler places the transfer's CTAs as soon as any CTA ends.
-    return torch.cuda.Stream(device=device, priority=-1)  # below 0: above the default streams
+    return torch.cuda.Stream(device=device)
 
 
 class Ring:

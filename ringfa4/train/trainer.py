@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from ringfa4.nn import Transformer, build_mesh, parallelize, shard_sequence
 from ringfa4.nn.parallel import CP, DP_SHARD
+from ringfa4.ring import comm
 from ringfa4.train import checkpoint, config, data, metrics
 
 
@@ -57,7 +58,8 @@ def train(cfg, rank, world_size, local_rank):
     if dev_type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device,
+                                pg_options=comm.nccl_options())
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
