@@ -104,6 +104,8 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
 
     Local tensors are laid out as ``shard`` gives them for ``layout``; the result is this rank's rows
     of the attention over the full sequence. Returns out, or (out, lse) with return_lse.
+    Over NCCL, give the group high-priority streams (``ringfa4.nccl_options()``): at normal
+    priority transfers can wait for whole kernels (a warning says so once per group).
     """
     _check_qkv(q, k, v, causal)
     ring_layout.check_layout(layout)

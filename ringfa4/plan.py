@@ -296,7 +296,7 @@ def _memory_bytes(shape, world, steps, dq_adds):
 
     Partial sums live in the input dtype for W = 2 and in fp32 otherwise (ring.attention._sum_dtype);
     dq_adds: the backend adds a fresh dq into the ring's fp32 one (fa4) instead of accumulating in
-    its kernel (cute)."""
+    its kernel (cute: one fragment-order accumulator per call, ringfa4.kernels.bwd_sm90.QueryState)."""
     h, hk, d, e = shape.heads, shape.kv_heads, shape.head_dim, shape.elem
     L = steps[0][0]
     a = e if world == 2 else 4
@@ -308,7 +308,7 @@ def _memory_bytes(shape, world, steps, dq_adds):
     first_sk = steps[-1][1]  # the backward starts on the forward's last block: its dK/dV sums start there
     bwd[0] += kv_el * cast if first_sk == L else kv_el * a + first_sk * 2 * hk * d * summed
     outside = (q_el * cast  # output cast
-               + q_el * 4 + q_el * (4 + e)  # fp32 dq: zeros, final cast
+               + q_el * 4 + q_el * (4 + e)  # fp32 dq (fa4) or accumulator (cute): zeros, final cast or postprocess
                + sum(sk for _, sk, _ in steps[:-1]) * 2 * hk * d * summed  # dK/dV sums of later steps, after their wait
                + kv_el * cast)  # dK/dV cast
     return fwd, bwd, outside

@@ -7,6 +7,7 @@ while the compute stream goes on with the current step. `wait` makes the compute
 host, wait for the transfer. On CPU (gloo) the same calls are plain async sends.
 """
 import functools
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,30 @@ def nccl_options():
     hop of a backward then took the whole next step (40-156 ms instead of 2.5-5) and up to 9 ms of
     it was exposed. At high priority the transfer's CTAs go first as soon as any CTA ends.
     (TORCH_NCCL_HIGH_PRIORITY=1 sets the same for every process group.)"""
+    if not dist.is_nccl_available():
+        raise RuntimeError("nccl_options: this torch build has no NCCL (a CPU build?); use gloo without options")
     return dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+
+
+_checked_groups = set()  # ids: process groups need not be hashable
+
+
+def _warn_unless_high_priority(group):
+    """Once per group: say so when its NCCL streams run at normal priority (see nccl_options)."""
+    if id(group) in _checked_groups:
+        return
+    _checked_groups.add(id(group))
+    try:
+        backend = (group if group is not None else dist.group.WORLD)._get_backend(torch.device("cuda"))
+        high = backend.options.is_high_priority_stream
+    except (AttributeError, RuntimeError, ValueError):  # not NCCL, or a torch without these accessors
+        return
+    if not high:
+        warnings.warn(
+            "ring_attention: the NCCL process group's streams run at normal priority, so a transfer "
+            "can wait for a whole kernel and stall the ring; create it with "
+            "init_process_group('nccl', pg_options=ringfa4.nccl_options()) or set TORCH_NCCL_HIGH_PRIORITY=1",
+            stacklevel=4)
 
 
 @functools.cache
@@ -40,7 +64,10 @@ class Ring:
         self.next = dist.get_global_rank(group, (rank + step) % world) if group is not None else (rank + step) % world
         self.prev = dist.get_global_rank(group, (rank - step) % world) if group is not None else (rank - step) % world
         self.device = device
-        self.stream = _comm_stream(device) if device.type == "cuda" else None
+        self.stream = None
+        if device.type == "cuda":
+            self.stream = _comm_stream(device)
+            _warn_unless_high_priority(group)
 
     def start(self, send, recv, tag=0, span=None):
         """Post the sends of ``send`` to the next rank and the receives into ``recv`` from the previous one.

@@ -1,7 +1,8 @@
 """The ring over NCCL on 2 GPUs matches one GPU's attention (out, lse, dq, dk, dv) in bf16.
 
 Run on the device machine (kind nvidia-h200-x2):
-    torchrun --nproc_per_node=2 -m pytest -m gpu -q tests/gpu/test_ring_nccl.py
+    torchrun --nproc_per_node=2 -m pytest -m gpu -q -o faulthandler_timeout=90 tests/gpu/test_ring_nccl.py
+(faulthandler_timeout: a test that stalls prints every thread's stack on both ranks.)
 
 Both are measured against fp64 attention on the same fresh random inputs. "Within bf16 tolerance"
 is the rule of upstream FlashAttention's tests: the ring's error may be at most 2x the error of one
