@@ -7,6 +7,7 @@ while the compute stream goes on with the current step. `wait` makes the compute
 host, wait for the transfer. On CPU (gloo) the same calls are plain async sends.
 """
 import functools
+import os
 import warnings
 
 import torch
@@ -41,7 +42,8 @@ def _warn_unless_high_priority(group):
         high = backend.options.is_high_priority_stream
     except (AttributeError, RuntimeError, ValueError):  # not NCCL, or a torch without these accessors
         return
-    if not high:
+    # The environment variable raises the priority when NCCL creates its streams, not in options.
+    if not high and os.environ.get("TORCH_NCCL_HIGH_PRIORITY", "").lower() not in ("1", "true", "yes", "y"):
         warnings.warn(
             "ring_attention: the NCCL process group's streams run at normal priority, so a transfer "
             "can wait for a whole kernel and stall the ring; create it with "
