@@ -1,8 +1,7 @@
 """The ring over NCCL on 2 GPUs matches one GPU's attention (out, lse, dq, dk, dv) in bf16.
 
 Run on the device machine (kind nvidia-h200-x2):
-    torchrun --nproc_per_node=2 -m pytest -m gpu -q -o faulthandler_timeout=90 tests/gpu/test_ring_nccl.py
-(faulthandler_timeout: a test that stalls prints every thread's stack on both ranks.)
+    torchrun --nproc_per_node=2 -m pytest -m gpu -q tests/gpu/test_ring_nccl.py
 
 Both are measured against fp64 attention on the same fresh random inputs. "Within bf16 tolerance"
 is the rule of upstream FlashAttention's tests: the ring's error may be at most 2x the error of one
@@ -13,6 +12,7 @@ the verdict is shared, so a failure on one rank fails the test on all of them in
 the other waiting in a collective.
 """
 import datetime
+import faulthandler
 import os
 import sys
 import traceback
@@ -55,6 +55,15 @@ def world():
         dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=2),
                                 pg_options=comm.nccl_options())
     return dist.get_world_size()
+
+
+@pytest.fixture(autouse=True)
+def _stacks_if_stalled():
+    """A test still running after 100 s (before the 2-minute NCCL timeout aborts it) prints every
+    thread's stack on its rank: a stall then shows where each rank is."""
+    faulthandler.dump_traceback_later(100)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 def _shared_seed():
