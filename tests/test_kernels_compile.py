@@ -40,6 +40,10 @@ def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_shipped_variants(tmp_path):
         assert "wgmma.mma_async" in ptx, variant.name
         assert "cp.async.bulk.tensor" in ptx, variant.name
         assert "setmaxnreg" in ptx, variant.name
+        # Every pair of fp32 values is rounded to 16 bits once, however many readers it has
+        # (dS has two: its shared-memory store and the dK product).
+        pairs = re.findall(r"cvt\.rn\.b?f16x2\.f32\s+%r\d+,\s*(%r\d+),\s*(%r\d+);", ptx)
+        assert pairs and len(pairs) == len(set(pairs)), f"{variant.name}: a pair is converted twice"
 
 
 @pytest.mark.parametrize("dtype,add", [("bf16", False), ("fp16", False), ("fp32", True),

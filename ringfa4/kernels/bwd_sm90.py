@@ -43,7 +43,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from ringfa4.backends.cute import DTYPE_NAMES, tma_compatible
@@ -80,6 +80,23 @@ def _bulk_reduce_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_byt
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+@dsl_user_op
+def _pack_pair(lo: Float32, hi: Float32, dtype, *, loc=None, ip=None) -> Int32:
+    """Two fp32 values rounded to ``dtype`` (bf16/fp16) in one register, lo in the low half. An
+    opaque op, so the compiler keeps one conversion for every reader of the pair instead of
+    repeating it at each (it did for dS, read by its shared store and by the dK product)."""
+    cvt = "cvt.rn.bf16x2.f32" if dtype is cutlass.BFloat16 else "cvt.rn.f16x2.f32"
+    return Int32(llvm.inline_asm(
+        T.i32(),
+        [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+        f"{cvt} $0, $1, $2;",
+        "=r,f,f",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
 
 
 def _carve(ptr, layout: cute.ComposedLayout, dtype) -> cute.Tensor:
@@ -526,8 +543,11 @@ class AttentionBackwardSm90:
                 delta = sDelta[cS[r, 0][1], stage]
                 for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
                     dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] * softmax_scale - delta)
-            ds = cute.make_rmem_tensor(acc_shape_s, self.dtype)
-            ds.store(acc_dp.load().to(self.dtype))
+            ds_words = cute.make_rmem_tensor(cute.size(acc_dp) // 2, Int32)
+            for i in cutlass.range_constexpr(cute.size(ds_words)):
+                ds_words[i] = _pack_pair(acc_dp[2 * i], acc_dp[2 * i + 1], self.dtype)
+            ds = cute.make_tensor(cute.recast_ptr(ds_words.iterator, dtype=self.dtype),
+                                  acc_dp.layout)
             # dS is double buffered by pipeline stage: the buffer written here was last read
             # by the dQ product two steps ago, which both warp groups finished before the
             # _BAR_PDS of the previous step.
