@@ -43,7 +43,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from ringfa4.backends.cute import DTYPE_NAMES, tma_compatible
@@ -51,7 +51,7 @@ from ringfa4.kernels import wgmma
 from ringfa4.kernels.bwd_postprocess import DqPostprocessConfig
 from ringfa4.kernels.dq_layout import (NUM_MMA_WG, REGS_PER_STORE, WG_THREADS, parts_split_rows,
                                        query_tile)
-from ringfa4.kernels.softmax import LOG2_E
+from ringfa4.kernels.softmax import LOG2_E, convert_to
 
 # Named barriers (id 0 is __syncthreads).
 _BAR_PDS = 1  # dS tile of both MMA warp groups is in shared memory
@@ -80,23 +80,6 @@ def _bulk_reduce_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_byt
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
-
-
-@dsl_user_op
-def _pack_pair(lo: Float32, hi: Float32, dtype, *, loc=None, ip=None) -> Int32:
-    """Two fp32 values rounded to ``dtype`` (bf16/fp16) in one register, lo in the low half. An
-    opaque op, so the compiler keeps one conversion for every reader of the pair instead of
-    repeating it at each (it did for dS, read by its shared store and by the dK product)."""
-    cvt = "cvt.rn.bf16x2.f32" if dtype is cutlass.BFloat16 else "cvt.rn.f16x2.f32"
-    return Int32(llvm.inline_asm(
-        T.i32(),
-        [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-        f"{cvt} $0, $1, $2;",
-        "=r,f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    ))
 
 
 def _carve(ptr, layout: cute.ComposedLayout, dtype) -> cute.Tensor:
@@ -543,11 +526,10 @@ class AttentionBackwardSm90:
                 delta = sDelta[cS[r, 0][1], stage]
                 for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
                     dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] * softmax_scale - delta)
-            ds_words = cute.make_rmem_tensor(cute.size(acc_dp) // 2, Int32)
-            for i in cutlass.range_constexpr(cute.size(ds_words)):
-                ds_words[i] = _pack_pair(acc_dp[2 * i], acc_dp[2 * i + 1], self.dtype)
-            ds = cute.make_tensor(cute.recast_ptr(ds_words.iterator, dtype=self.dtype),
-                                  acc_dp.layout)
+            # One opaque conversion per pair: with .to() the compiler repeated the 16 bf16
+            # conversions for dS's second reader (the dK product) after the wgmma fence.
+            ds = cute.make_rmem_tensor(acc_shape_s, self.dtype)
+            convert_to(acc_dp, ds)
             # dS is double buffered by pipeline stage: the buffer written here was last read
             # by the dQ product two steps ago, which both warp groups finished before the
             # _BAR_PDS of the previous step.
@@ -700,11 +682,23 @@ class QueryRows:
     softmax_scale: float  # the one folded into delta
 
 
+def _padded_rows(s, head_dim):
+    """s query rows rounded up to whole query tiles."""
+    tile_m = query_tile(head_dim)
+    return (s + tile_m - 1) // tile_m * tile_m
+
+
+def _tma_ready(t):
+    """t detached, copied to a contiguous tensor only when TMA cannot address it (autograd may
+    hand over any layout of dout, a broadcast one for loss = out.sum())."""
+    t = t.detach()
+    return t if tma_compatible(t) else t.contiguous()
+
+
 def _query_rows(dout, out, lse, softmax_scale):
     """Preprocessed rows of (dout, out, lse) with a zeroed dQ accumulator."""
     b, s, h, d = out.shape
-    tile_m = query_tile(d)
-    padded = (s + tile_m - 1) // tile_m * tile_m
+    padded = _padded_rows(s, d)
     dev = out.device
     rows = QueryRows(torch.zeros((b, h, padded * d), dtype=torch.float32, device=dev),
                      torch.empty((b, h, padded), dtype=torch.float32, device=dev),
@@ -714,7 +708,7 @@ def _query_rows(dout, out, lse, softmax_scale):
     from ringfa4.kernels.compile import compile_variant
 
     compile_variant(BwdPreprocessConfig(DTYPE_NAMES[out.dtype], d))(
-        out if tma_compatible(out) else out.contiguous(), dout,
+        _tma_ready(out), _tma_ready(dout),
         lse if lse.stride(-1) == 1 else lse.contiguous(), rows.lse2, rows.delta, rows.softmax_scale)
     return rows
 
@@ -741,8 +735,7 @@ class QueryState:
         _check("dout", dout, (b, s, h, d), (q.dtype,))
         _check("lse", lse, (b, h, s), (torch.float32,))
         self.shape, self.dtype, self.tile_m = (b, s, h, d), q.dtype, query_tile(d)
-        dout = dout.detach() if tma_compatible(dout) else dout.detach().contiguous()
-        self._all = _query_rows(dout, out.detach(), lse.detach(), softmax_scale)
+        self._all = _query_rows(dout, out, lse.detach(), softmax_scale)
 
     def rows(self, sl: slice) -> QueryRows:
         s, d, tile_m = self.shape[1], self.shape[3], self.tile_m
@@ -792,8 +785,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     if min(b, sq, sk) == 0:
         raise ValueError(f"empty input: batch {b}, seq_q {sq}, seq_k {sk}")
     q, k, v, out, lse = (t.detach() for t in (q, k, v, out, lse))
-    # Autograd may hand over any layout of dout (a broadcast one for loss = out.sum()).
-    dout = dout.detach() if tma_compatible(dout) else dout.detach().contiguous()
+    dout = _tma_ready(dout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not tma_compatible(t):
             raise ValueError(f"{name} needs a contiguous head dim and 16-byte aligned strides, "
@@ -802,7 +794,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         if buf is not None:
             _check(name, buf, like.shape, (torch.float16, torch.bfloat16, torch.float32))
 
-    padded = (sq + query_tile(d) - 1) // query_tile(d) * query_tile(d)
+    padded = _padded_rows(sq, d)
     if isinstance(dq, QueryRows):
         _check("dq.lse2", dq.lse2, (b, h, padded), (torch.float32,))
         _check("dq.dq_acc", dq.dq_acc, (b, h, padded * d), (torch.float32,))
