@@ -67,7 +67,9 @@ class Timer:
 
     The fns take turns, ``iters`` calls of one at a time, for ``rounds`` rounds, and each gets the
     median of its rounds: a drift of the GPUs' clocks over a row (power, heat) then reaches every
-    contender alike instead of whichever ran during it."""
+    contender alike instead of whichever ran during it. Every turn starts on all ranks at once: a
+    rank that finished the previous fn sooner (a faster GPU running a one-GPU fn) would otherwise
+    start its clock early and count, in a ring's first call, the wait for the slower rank."""
 
     def __init__(self, device, warmup, iters, rounds):
         self.device, self.warmup, self.iters, self.rounds = device, warmup, iters, rounds
@@ -76,14 +78,15 @@ class Timer:
         for fn in fns:
             for _ in range(self.warmup):
                 fn()
-        self._sync()
-        dist.barrier()
         ms = [[self._time(fn) for fn in fns] for _ in range(self.rounds)]
         worst = torch.tensor(ms, dtype=torch.float64, device=self.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         return tuple(worst.median(dim=0).values.tolist())
 
     def _time(self, fn):
+        self._sync()
+        dist.barrier()
+        self._sync()
         if self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
