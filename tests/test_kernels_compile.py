@@ -65,6 +65,21 @@ def test_dq_postprocess_moves_16_bytes_per_access(dtype, add, head_dim, tmp_path
     assert len(re.findall(r"\bst\.global", ptx)) == 4 * per_piece
 
 
+@pytest.mark.parametrize("out_dtype,part_dtype", [("bf16", "bf16"), ("fp32", "bf16")])
+def test_ring_merge_reads_and_writes_each_element_once_in_16_byte_accesses(out_dtype, part_dtype, tmp_path):
+    """Per thread: 8 values of out and of the partial in, 8 of out back, lse and the partial's
+    lse read once, the merged lse written once after the block barrier."""
+    from ringfa4.kernels.compile import compile_variant
+    from ringfa4.kernels.merge import MergeConfig
+
+    ptx = compile_variant(MergeConfig(out_dtype, part_dtype, 128),
+                          options=f"--keep-ptx --dump-dir {tmp_path}").__ptx__
+    per_out = {"bf16": 1, "fp32": 2}[out_dtype]
+    wide = re.findall(r"\b(ld|st)\.global\.v4", ptx)
+    assert wide.count("ld") == per_out + 1 and wide.count("st") == per_out
+    assert len(re.findall(r"\bld\.global\.b32", ptx)) == 2 and len(re.findall(r"\bst\.global\.b32", ptx)) == 1
+    assert ptx.index("bar.sync") < ptx.index("st.global.b32")
+
 def _qkv(device="cpu", dtype=torch.bfloat16, d=128, sq=16, sk=16):
     return (torch.randn(1, s, 2, d, device=device, dtype=dtype) for s in (sq, sk, sk))
 

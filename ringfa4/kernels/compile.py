@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import cutlass.cute as cute
 
-from ringfa4.kernels import bwd_postprocess, bwd_preprocess, bwd_sm90
+from ringfa4.kernels import bwd_postprocess, bwd_preprocess, bwd_sm90, merge
 from ringfa4.kernels.fwd_sm90 import FwdSm90Config
 
 ARCH = os.environ["CUTE_DSL_ARCH"]  # pinned by ringfa4.kernels
@@ -44,8 +44,8 @@ def fwd_defaults(dtype: str, head_dim: int, causal: bool) -> FwdSm90Config:
 VARIANTS = [
     fwd_defaults(dt, d, c) for dt in ("bf16", "fp16") for d in (64, 128) for c in (False, True)
 ]
-# ... and the backward's: its pre- and postprocess and the main kernel.
-VARIANTS += bwd_preprocess.VARIANTS + bwd_postprocess.VARIANTS + bwd_sm90.VARIANTS
+# ... the backward's: its pre- and postprocess and the main kernel; and the ring's merge.
+VARIANTS += bwd_preprocess.VARIANTS + bwd_postprocess.VARIANTS + bwd_sm90.VARIANTS + merge.VARIANTS
 
 _cache = {}
 compile_seconds = {}

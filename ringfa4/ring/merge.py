@@ -1,15 +1,19 @@
 """Fold partial attention results together through their log-sum-exp, in fp32 (fp64 for fp64 inputs).
 
-On CUDA the merge is one torch.compile'd (Inductor/Triton) pass that reads the running (out, lse)
-and the partial and writes the merged result in place: the same formula as a dozen eager ops, but
-each full-size tensor is read once and written once (eager merges are a measurable cost in rings:
-ring-flash-attention #60). Elsewhere (CPU, CI) it runs eagerly: compiling there is slow and gains
-nothing for the tests.
+On Hopper the merge is one CuTe DSL kernel (ringfa4.kernels.merge) that reads the running
+(out, lse) and the partial once and writes the merged pair in place. It replaced a torch.compile'd
+pass: Dynamo compiled one graph per batch, head count and view layout, so the two ranks of a
+causal ring (one merging into half of its rows, the other into all) compiled different graphs at
+different times, and with fullgraph=True the ninth one raised on a single rank and left the other
+waiting in the ring. Elsewhere (CPU, CI, other GPUs, fp64) the same formula runs as eager ops.
 """
 import functools
+import importlib.util
 import math
 
 import torch
+
+_KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def _merged(out, lse, out_part, lse_part):
@@ -29,17 +33,31 @@ def _merge_into(out, lse, out_part, lse_part):
 
 
 @functools.cache
-def _fused():
-    return torch.compile(_merge_into, fullgraph=True)
+def _hopper_with_dsl(device_index):
+    return (torch.cuda.get_device_capability(device_index) == (9, 0)
+            and importlib.util.find_spec("cutlass") is not None)
 
 
-def _seq_dynamic(out, lse, out_part, lse_part):
-    """One compiled kernel per (batch, heads, head_dim) serves every sequence length and view (the
-    ring merges whole local blocks and halves of them). Only the sequence dimension is symbolic, so
-    heads and head_dim are compile-time constants in the kernel's index arithmetic: with every size
-    symbolic (dynamic=True) the in-ring merge ran 2.1-2.4x slower on 2 x H200 (bench/RESULTS.md)."""
-    for t, dim in ((out, 1), (lse, 2), (out_part, 1), (lse_part, 2)):
-        torch._dynamo.maybe_mark_dynamic(t, dim)
+def _kernel_runs(out, lse, out_part):
+    from ringfa4.backends.cute import tma_compatible  # 16-byte aligned rows: the kernel's accesses
+
+    return (out.is_cuda and _hopper_with_dsl(out.device.index)
+            and out.dtype in _KERNEL_DTYPES and out_part.dtype in _KERNEL_DTYPES
+            and lse.dtype == torch.float32 and out.shape[-1] % 8 == 0
+            and tma_compatible(out) and lse.stride(-1) == 1)
+
+
+def _merge_kernel(out, lse, out_part, lse_part):
+    from ringfa4.backends.cute import tma_compatible
+    from ringfa4.kernels.compile import compile_variant
+    from ringfa4.kernels.merge import MergeConfig
+
+    if not tma_compatible(out_part):
+        out_part = out_part.contiguous()
+    if lse_part.stride(-1) != 1:
+        lse_part = lse_part.contiguous()
+    config = MergeConfig(_KERNEL_DTYPES[out.dtype], _KERNEL_DTYPES[out_part.dtype], out.shape[-1])
+    compile_variant(config)(out, lse, out_part, lse_part)
 
 
 def merge_(out, lse, out_part, lse_part):
@@ -48,10 +66,9 @@ def merge_(out, lse, out_part, lse_part):
     out (b, s, h, d, any float dtype) and lse (b, h, s) are updated in place (they may be views);
     out_part (any float dtype) and lse_part are a partial result over other keys for the same queries.
     The arithmetic is in lse's dtype; out is rounded to its own dtype once, on the store.
-    A side with lse = -inf (no visible key) gets weight 0; both -inf keeps -inf and out unchanged, never NaN.
+    A side with lse = -inf (no visible key) gets weight 0; both -inf keep lse -inf and set out to 0, never NaN.
     """
-    if out.is_cuda:
-        _seq_dynamic(out, lse, out_part, lse_part)
-        _fused()(out, lse, out_part, lse_part)
+    if out.numel() and _kernel_runs(out, lse, out_part):
+        _merge_kernel(out, lse, out_part, lse_part)
     else:
         _merge_into(out, lse, out_part, lse_part)
