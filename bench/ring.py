@@ -6,8 +6,8 @@ total length and (b) PyTorch's context_parallel ring over cuDNN SDPA, on the sam
 
 Batch 1, hdim 128, bf16; heads/kv_heads 32/32 and 32/8; total causal sequence 16k..128k plus
 non-causal 32k. Times are per fwd+bwd call, CUDA events around a fixed number of calls after
-warm-up, the slowest rank's, the median of rounds in which the 1-GPU call and the ring take
-turns (see Timer). FLOPs 3.5 * 4*s*s*h*d (halved for causal): backward = 2.5x forward.
+warm-up, the slowest rank's, the median of rounds in which the 1-GPU call, the ring and
+PyTorch's ring take turns (see Timer). FLOPs 3.5 * 4*s*s*h*d (halved for causal): backward = 2.5x forward.
 efficiency = single_ms / (W * ringfa4_ms). PyTorch's ring gets the same q, k, v with kv heads
 repeated to the query heads (its SDPA path takes no GQA; torchtitan does the same), default
 rotate method and load balancer (disabled for non-causal, which it refuses otherwise).
@@ -16,6 +16,7 @@ times from CUDA events. Before timing, the ring's output is compared with the si
 nothing wrong is timed. Rows go to bench/results/ring.json; a markdown table is printed last.
 """
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -127,8 +128,12 @@ def summarize(spans):
     return out
 
 
-def torch_cp(q, k, v, dout, causal, timer, mesh):
-    """ms per fwd+bwd of PyTorch's context_parallel over cuDNN SDPA, or the error it raised."""
+@contextlib.contextmanager
+def torch_cp(q, k, v, dout, causal, mesh):
+    """Yields (fn, rotate method): fn is one fwd+bwd of PyTorch's context_parallel over cuDNN SDPA.
+
+    Its context stays entered while fn runs, so that fn can take turns with ours in one Timer
+    call; it changes only SDPA, which ringfa4 does not call."""
     from torch.distributed.tensor.experimental import _attention, context_parallel
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -143,9 +148,24 @@ def torch_cp(q, k, v, dout, causal, timer, mesh):
             leaves = [t.detach().requires_grad_() for t in bufs[:3]]
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 sdpa = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
-                return timer(fwd_bwd(sdpa, leaves, bufs[3]))[0], str(_cp_options.rotate_method.name)
+                yield fwd_bwd(sdpa, leaves, bufs[3]), str(_cp_options.rotate_method.name)
     finally:
         _cp_options.enable_load_balance = old
+
+
+def enter_torch_cp(stack, q, k, v, dout, causal, mesh, say):
+    """(fn or None, rotate method, error): PyTorch's ring entered on ``stack`` and tried once."""
+    if mesh is None:
+        return None, None, "CUDA only (cuDNN SDPA)"
+    try:
+        fn, rotate = stack.enter_context(torch_cp(q, k, v, dout, causal, mesh))
+        fn()
+        return fn, rotate, None
+    except Exception as e:  # reported in the row and the table, never hidden
+        stack.close()
+        error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        say(f"torch context_parallel failed: {error}", flush=True)
+        return None, None, error
 
 
 def _device_mallocs(device):
@@ -207,15 +227,6 @@ def main():
             d = args.head_dim
             q, k, v, dout = inputs(seq, h, hk, d, dtype, device, seed=1000 + seq + h + hk)
             flops = fwd_bwd_flops(seq, h, d, causal)
-            if device.type == "cuda":
-                try:
-                    cp_ms, cp_rotate = torch_cp(q, k, v, dout, causal, timer, mesh)
-                    cp_error = None
-                except Exception as e:  # reported in the row and the table, never hidden
-                    cp_ms, cp_rotate, cp_error = None, None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                    say(f"torch context_parallel failed: {cp_error}", flush=True)
-            else:
-                cp_ms, cp_rotate, cp_error = None, None, "CUDA only (cuDNN SDPA)"
             for name in args.backends.split(","):
                 reason = backends.get(name).unsupported_reason(q, k, v, causal, True)
                 if reason is not None:
@@ -237,9 +248,13 @@ def main():
                 dist.all_reduce(diff, op=dist.ReduceOp.MAX)
                 if not diff.item() < MAX_DIFF:
                     raise RuntimeError(f"ring output differs from one GPU's by {diff.item():.3g} ({name} seq={seq} causal={causal})")
-                mallocs = _device_mallocs(device)
-                single_ms, ring_ms = timer(single, ring)
-                mallocs = _device_mallocs(device) - mallocs
+                with contextlib.ExitStack() as stack:
+                    cp, cp_rotate, cp_error = enter_torch_cp(stack, q, k, v, dout, causal, mesh, say)
+                    mallocs = _device_mallocs(device)
+                    single_ms, ring_ms, *cp_ms = timer(single, ring, *([cp] if cp else []))
+                    mallocs = _device_mallocs(device) - mallocs
+                    cp_ms = cp_ms[0] if cp_ms else None
+                    del cp
                 with timeline.recording() as tl:
                     ring()
                 by_rank = [None] * world
