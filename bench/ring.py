@@ -76,8 +76,9 @@ class Timer:
         self.device, self.warmup, self.iters, self.rounds = device, warmup, iters, rounds
 
     def __call__(self, *fns):
-        for fn in fns:
-            for _ in range(self.warmup):
+        # Warm-up in turns too, so that the allocator's cache holds what each fn needs after the others.
+        for _ in range(self.warmup):
+            for fn in fns:
                 fn()
         ms = [[self._time(fn) for fn in fns] for _ in range(self.rounds)]
         worst = torch.tensor(ms, dtype=torch.float64, device=self.device)
