@@ -74,28 +74,32 @@ class Timer:
 
     def __init__(self, device, warmup, iters, rounds):
         self.device, self.warmup, self.iters, self.rounds = device, warmup, iters, rounds
+        self.mallocs = []  # of the last call, per fn: cudaMalloc calls in its timed turns (warm-up excluded)
 
     def __call__(self, *fns):
         # Warm-up in turns too, so that the allocator's cache holds what each fn needs after the others.
         for _ in range(self.warmup):
             for fn in fns:
                 fn()
-        ms = [[self._time(fn) for fn in fns] for _ in range(self.rounds)]
+        self.mallocs = [0] * len(fns)
+        ms = [[self._time(fn, i) for i, fn in enumerate(fns)] for _ in range(self.rounds)]
         worst = torch.tensor(ms, dtype=torch.float64, device=self.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         return tuple(worst.median(dim=0).values.tolist())
 
-    def _time(self, fn):
+    def _time(self, fn, index):
         self._sync()
         dist.barrier()
         self._sync()
         if self.device.type == "cuda":
+            mallocs = _device_mallocs(self.device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(self.iters):
                 fn()
             end.record()
             end.synchronize()
+            self.mallocs[index] += _device_mallocs(self.device) - mallocs
             return start.elapsed_time(end) / self.iters
         t0 = time.perf_counter()
         for _ in range(self.iters):
@@ -251,9 +255,7 @@ def main():
                     raise RuntimeError(f"ring output differs from one GPU's by {diff.item():.3g} ({name} seq={seq} causal={causal})")
                 with contextlib.ExitStack() as stack:
                     cp, cp_rotate, cp_error = enter_torch_cp(stack, q, k, v, dout, causal, mesh, say)
-                    mallocs = _device_mallocs(device)
                     single_ms, ring_ms, *cp_ms = timer(single, ring, *([cp] if cp else []))
-                    mallocs = _device_mallocs(device) - mallocs
                     cp_ms = cp_ms[0] if cp_ms else None
                     del cp
                 with timeline.recording() as tl:
@@ -269,7 +271,7 @@ def main():
                            torch_cp_tflops_per_gpu=None if cp_ms is None else round(flops / world / (cp_ms * 1e-3) / 1e12, 1),
                            torch_cp_rotate=cp_rotate, torch_cp_error=cp_error,
                            max_abs_diff_vs_single=float(f"{diff.item():.3g}"),
-                           device_mallocs_while_timed=mallocs,
+                           device_mallocs_while_timed=dict(zip(("single", "ring", "torch_cp"), timer.mallocs)),
                            kv_bytes_per_step=2 * (seq // world) * hk * d * q.element_size(),
                            step_ms=by_rank[0], step_ms_by_rank=by_rank)
                 if device.type == "cuda" and seq // world == 16384 and causal:
