@@ -109,6 +109,9 @@ class Topology:
     backend: str = "fa4"  # whose kernels: "fa4" (upstream) or "cute" (ours)
     step_overhead_ms: tuple = (0.0, 0.0)  # (forward, backward) per ring step, beyond kernel and memory passes
     overhead_source: str = NO_OVERHEAD
+    # (forward, backward) kernel time of the calibration run per kernel-row ms: the fitted slope,
+    # applied to the ring's steps and the 1-GPU call alike (it cancels in the efficiency)
+    kernel_scale: tuple = (1.0, 1.0)
 
     def link(self, world):
         return self.nvlink if world <= self.domain else self.network
@@ -210,10 +213,10 @@ def calibrate(topo, rows, backend, head_dim):
     if timelines:
         overhead, slope, n = fit_step_overhead(topo, timelines)
         where = ", ".join(sorted({r["_file"] for r in timelines}))
-        topo = replace(topo, step_overhead_ms=overhead,
+        topo = replace(topo, step_overhead_ms=overhead, kernel_scale=slope,
                        overhead_source=f"intercept of a Theil-Sen line through {n} step compute spans in bench/results/"
-                       f"{where} against this model's kernel + memory time; slopes {slope[0]:.3f} / {slope[1]:.3f} "
-                       f"(that run's kernels vs the kernel rows) not applied")
+                       f"{where} against this model's kernel + memory time; its slopes {slope[0]:.3f} / {slope[1]:.3f} "
+                       f"(that run's kernels vs the kernel rows) scale the kernel times of the ring and the 1-GPU call")
     return topo
 
 
@@ -225,9 +228,10 @@ def fit_step_overhead(topo, rows):
     The intercept is what a ring step costs beyond its work and what the kernel rows (back-to-back
     calls of one kernel) cannot see: launch gaps between a step's ops, allocation, NCCL kernels
     sharing the SMs. The slope says how fast this run's kernels ran against the kernel rows (another
-    run; the two GPUs of one run differ by up to 11% on identical steps); it is reported, not applied:
-    a kernel speed common to the ring and the 1-GPU call cancels in the efficiency."""
-    bare = replace(topo, step_overhead_ms=(0.0, 0.0))
+    run, maybe another machine; the two GPUs of one run differ by up to 11% on identical steps). The
+    two belong together: an intercept used without its slope is off by (slope - 1) x the step, which
+    at 150 ms backward steps and a slope of 1.03 turned it negative (-0.4 ms per step at ec5cf12)."""
+    bare = replace(topo, step_overhead_ms=(0.0, 0.0), kernel_scale=(1.0, 1.0))
     points = ([], [])
     for r in rows:
         shape, world = _row_shape(r), r["world"]
@@ -236,7 +240,9 @@ def fit_step_overhead(topo, rows):
             points[0].extend(zip(fwd, spans["fwd_compute"]))
             points[1].extend(zip(bwd, spans["bwd_compute"]))
     lines = [_theil_sen(p) for p in points]
-    return tuple(c for c, _ in lines), tuple(s for _, s in lines), sum(map(len, points))
+    # A step cannot cost less than its work: a negative intercept says the model's kernel times are
+    # off by step length (the kernel rows' CTA counts are not the ring's), not that steps save time.
+    return tuple(max(0.0, c) for c, _ in lines), tuple(s for _, s in lines), sum(map(len, points))
 
 
 def _theil_sen(points):
@@ -319,8 +325,10 @@ def _rank_ms(topo, shape, world, steps):
     gpu = topo.gpu
     fwd_bytes, bwd_bytes, outside = _memory_bytes(shape, world, steps, topo.backend != "cute")
     over_f, over_b = topo.step_overhead_ms
-    fwd = [_kernel_ms(gpu, shape, "fwd", *s) + _hbm_ms(gpu, n) + over_f for s, n in zip(steps, fwd_bytes)]
-    bwd = [_kernel_ms(gpu, shape, "bwd", *s) + _hbm_ms(gpu, n) + over_b for s, n in zip(reversed(steps), bwd_bytes)]
+    scale_f, scale_b = topo.kernel_scale
+    fwd = [scale_f * _kernel_ms(gpu, shape, "fwd", *s) + _hbm_ms(gpu, n) + over_f for s, n in zip(steps, fwd_bytes)]
+    bwd = [scale_b * _kernel_ms(gpu, shape, "bwd", *s) + _hbm_ms(gpu, n) + over_b
+           for s, n in zip(reversed(steps), bwd_bytes)]
     return fwd, bwd, _hbm_ms(gpu, outside)
 
 
@@ -345,9 +353,10 @@ class Prediction:
         return self.single_ms / (self.world * self.ring_ms)
 
 
-def single_ms(gpu, shape):
+def single_ms(topo, shape):
     s = shape.seq
-    return sum(_kernel_ms(gpu, shape, d, s, s, shape.causal) for d in ("fwd", "bwd"))
+    return sum(scale * _kernel_ms(topo.gpu, shape, d, s, s, shape.causal)
+               for d, scale in zip(("fwd", "bwd"), topo.kernel_scale))
 
 
 def predict(topo, shape, world):
@@ -374,7 +383,7 @@ def predict(topo, shape, world):
         ranks.append((ring, fwd, bwd, extra, hidden))
     ring, fwd, bwd, extra, _ = max(ranks, key=lambda r: r[0])
     return Prediction(world, L, link, fwd, bwd, fwd_transfer, bwd_transfer, kv, dkv, extra, ring,
-                      single_ms(topo.gpu, shape), all(r[4] for r in ranks))
+                      single_ms(topo, shape), all(r[4] for r in ranks))
 
 
 def hiding_chunk(topo, shape, world):

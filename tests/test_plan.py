@@ -38,7 +38,7 @@ def test_single_gpu_time_is_flops_over_the_tables_tflops():
     topo, shape = plan.presets()["h200-x2"], _shape(seq=16384, heads=32)
     flops = 4 * 16384**2 * 32 * 128 / 2
     expected = flops / 603e12 * 1e3 + 2.5 * flops / 590e12 * 1e3  # H200 FA4 causal fwd / bwd at 16k
-    assert plan.single_ms(topo.gpu, shape) == pytest.approx(expected)
+    assert plan.single_ms(topo, shape) == pytest.approx(expected)
 
 
 def test_a_slow_link_makes_the_ring_as_slow_as_its_transfers():
@@ -145,6 +145,12 @@ def test_step_overhead_is_the_intercept_of_the_measured_step_times():
     assert plan.fit_step_overhead(topo, rows)[0] == pytest.approx((0.2, 0.3))
 
 
+def test_a_negative_intercept_is_no_step_overhead():
+    topo = plan.presets()["h200-x2"]
+    overhead, slope, _ = plan.fit_step_overhead(topo, _timeline_rows(topo, overhead=(-0.4, 0.1), slope=1.03))
+    assert overhead == (0.0, pytest.approx(0.1)) and slope == pytest.approx((1.03, 1.03))
+
+
 def test_calibrated_overhead_is_added_to_every_ring_step_but_not_to_the_1_gpu_call():
     topo = plan.presets()["h200-x2"]
     fitted = plan.calibrate(topo, _timeline_rows(topo, overhead=(0.2, 0.3), slope=1.0), "fa4", 128)
@@ -154,6 +160,17 @@ def test_calibrated_overhead_is_added_to_every_ring_step_but_not_to_the_1_gpu_ca
     assert [b - a for a, b in zip(bare.fwd_compute + bare.bwd_compute, charged.fwd_compute + charged.bwd_compute)] \
         == pytest.approx([0.2, 0.2, 0.3, 0.3])
     assert charged.single_ms == bare.single_ms
+
+
+def test_calibrated_kernel_speed_scales_the_ring_steps_and_the_1_gpu_call_alike():
+    topo, shape = plan.presets()["h200-x2"], _shape(seq=65536)
+    fitted = plan.calibrate(topo, _timeline_rows(topo, overhead=(0.0, 0.0), slope=1.05), "fa4", 128)
+    assert fitted.kernel_scale == pytest.approx((1.05, 1.05))
+    bare, scaled = plan.predict(topo, shape, 2), plan.predict(fitted, shape, 2)
+    assert scaled.single_ms == pytest.approx(1.05 * bare.single_ms)
+    # kernels 5% slower, the memory-bound passes inside the steps as fast as before
+    ratios = [b / a for a, b in zip(bare.fwd_compute + bare.bwd_compute, scaled.fwd_compute + scaled.bwd_compute)]
+    assert all(1.0 < r <= 1.05 + 1e-9 for r in ratios), ratios
 
 
 def test_a_fixed_step_overhead_does_not_count_as_hiding_transfers():
