@@ -257,7 +257,7 @@ def main():
                     cp, cp_rotate, cp_error = enter_torch_cp(stack, q, k, v, dout, causal, mesh, say)
                     single_ms, ring_ms, *cp_ms = timer(single, ring, *([cp] if cp else []))
                     cp_ms = cp_ms[0] if cp_ms else None
-                    del cp
+                    del cp  # its closure holds PyTorch's buffers: free them with the context
                 with timeline.recording() as tl:
                     ring()
                 by_rank = [None] * world
