@@ -174,9 +174,9 @@ def enter_torch_cp(stack, q, k, v, dout, causal, mesh, say):
 
 
 def _device_mallocs(device):
-    """cudaMalloc calls the caching allocator has made so far (each may wait for the device):
-    a timed call that needs new ones pays for them."""
-    return torch.cuda.memory_stats(device).get("num_device_alloc", 0) if device.type == "cuda" else 0
+    """cudaMalloc calls the caching allocator has made so far on a CUDA device (each may wait for
+    the device): a timed call that needs new ones pays for them."""
+    return torch.cuda.memory_stats(device).get("num_device_alloc", 0)
 
 
 def commit(args):

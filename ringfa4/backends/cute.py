@@ -20,6 +20,13 @@ def tma_compatible(t):
             and all(s % align == 0 for s in t.stride()[:-1]))
 
 
+def tma_ready(t):
+    """t detached, copied to a contiguous tensor only when TMA cannot address it (autograd may
+    hand over any layout of dout, a broadcast one for loss = out.sum())."""
+    t = t.detach()
+    return t if tma_compatible(t) else t.contiguous()
+
+
 def _layout_reason(name, t):
     if t.stride(-1) != 1:
         return f"{name} must have a contiguous head dimension (stride 1), got strides {t.stride()}"

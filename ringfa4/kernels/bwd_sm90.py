@@ -46,7 +46,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
-from ringfa4.backends.cute import DTYPE_NAMES, tma_compatible
+from ringfa4.backends.cute import DTYPE_NAMES, tma_compatible, tma_ready
 from ringfa4.kernels import wgmma
 from ringfa4.kernels.bwd_postprocess import DqPostprocessConfig
 from ringfa4.kernels.dq_layout import (NUM_MMA_WG, REGS_PER_STORE, WG_THREADS, parts_split_rows,
@@ -688,13 +688,6 @@ def _padded_rows(s, head_dim):
     return (s + tile_m - 1) // tile_m * tile_m
 
 
-def _tma_ready(t):
-    """t detached, copied to a contiguous tensor only when TMA cannot address it (autograd may
-    hand over any layout of dout, a broadcast one for loss = out.sum())."""
-    t = t.detach()
-    return t if tma_compatible(t) else t.contiguous()
-
-
 def _query_rows(dout, out, lse, softmax_scale):
     """Preprocessed rows of (dout, out, lse) with a zeroed dQ accumulator."""
     b, s, h, d = out.shape
@@ -708,7 +701,7 @@ def _query_rows(dout, out, lse, softmax_scale):
     from ringfa4.kernels.compile import compile_variant
 
     compile_variant(BwdPreprocessConfig(DTYPE_NAMES[out.dtype], d))(
-        _tma_ready(out), _tma_ready(dout),
+        tma_ready(out), tma_ready(dout),
         lse if lse.stride(-1) == 1 else lse.contiguous(), rows.lse2, rows.delta, rows.softmax_scale)
     return rows
 
@@ -785,7 +778,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     if min(b, sq, sk) == 0:
         raise ValueError(f"empty input: batch {b}, seq_q {sq}, seq_k {sk}")
     q, k, v, out, lse = (t.detach() for t in (q, k, v, out, lse))
-    dout = _tma_ready(dout)
+    dout = tma_ready(dout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not tma_compatible(t):
             raise ValueError(f"{name} needs a contiguous head dim and 16-byte aligned strides, "

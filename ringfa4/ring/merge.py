@@ -48,12 +48,11 @@ def _kernel_runs(out, lse, out_part):
 
 
 def _merge_kernel(out, lse, out_part, lse_part):
-    from ringfa4.backends.cute import tma_compatible
+    from ringfa4.backends.cute import tma_ready
     from ringfa4.kernels.compile import compile_variant
     from ringfa4.kernels.merge import MergeConfig
 
-    if not tma_compatible(out_part):
-        out_part = out_part.contiguous()
+    out_part = tma_ready(out_part)
     if lse_part.stride(-1) != 1:
         lse_part = lse_part.contiguous()
     config = MergeConfig(_KERNEL_DTYPES[out.dtype], _KERNEL_DTYPES[out_part.dtype], out.shape[-1])
