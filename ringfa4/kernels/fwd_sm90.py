@@ -141,11 +141,11 @@ class FwdSm90:
         mLSE = _permute(mLSE, [2, 1, 0])
         dt = self.dtype
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
             atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.tile_n),
         )
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, self.d),
             a_source=warpgroup.OperandSource.RMEM,
         )
@@ -242,7 +242,7 @@ class FwdSm90:
         if warp_idx == 0:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
                 cpasync.prefetch_descriptor(atom)
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
 
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
