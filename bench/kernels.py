@@ -3,17 +3,17 @@ vs upstream FA4 (flash_attn.cute) vs cuDNN SDPA, plus the on/off table of our te
 Backward rows (direction "bwd", hdim 128, FLOPs 2.5x forward) time the same three backward
 passes from the same (out, lse), plus ringfa4 and FA4 in deterministic mode.
 
-    python bench/kernels.py --commit $(git rev-parse --short HEAD) [--quick] [--sass DIR]
+    python bench/kernels.py --commit $(git rev-parse --short HEAD) [--quick] [--sass DIR] [--record]
 
-bf16, 16 heads, 32k tokens per batch (batch = 32768 // seq), FLOPs 4*b*s*s*h*d (halved for
-causal); each time is the best of 2 rounds of triton.testing.do_bench medians, the
-implementations taking turns. Forward rows also time a candidate configuration (CANDIDATE). Rows go to bench/results/kernels.json (and
-kernels_techniques.json); markdown tables are printed last. Each ringfa4 timing is preceded
-by a check that its output matches FA4's, so nothing wrong is timed.
+bf16, 16 heads, 32k tokens per batch (batch = 32768 // seq), FLOPs from ringfa4.flops
+(4*b*s*s*h*d, halved for causal; backward 2.5x). The implementations of a row take turns
+(bench/measure.py Timer): 5 warm-up calls, then 2 rounds in which each makes back-to-back calls
+filling ~100 ms between CUDA events; each keeps its best round. Forward rows also time a
+candidate configuration (CANDIDATE). Rows go to kernels.json (and kernels_techniques.json) in a
+temporary directory, --out-dir DIR, or with --record bench/results/; markdown tables are printed
+last. Each ringfa4 timing is preceded by a check that its output matches FA4's, so nothing wrong
+is timed.
 """
-import argparse
-import datetime
-import json
 import os
 import re
 import shutil
@@ -21,23 +21,22 @@ import subprocess
 import sys
 
 import torch
-from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import ringfa4.backends.cute as cute_backend  # noqa: E402
 import ringfa4.backends.fa4 as fa4_backend  # noqa: E402
+from bench import measure  # noqa: E402
+from ringfa4 import flops  # noqa: E402
 from ringfa4.kernels import compile as kc  # noqa: E402
 
 HEADS = 16
 TOKENS = 32768
 SEQS = (1024, 2048, 4096, 8192, 16384, 32768)
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def tflops(b, s, h, d, causal, ms):
-    flops = 4 * b * s * s * h * d / (2 if causal else 1)
-    return flops / (ms * 1e-3) / 1e12
+def tflops(b, s, h, d, causal, ms, direction="fwd"):
+    return flops.tflops(flops.attention(b, s, s, h, d, causal, direction), ms)
 
 
 def inputs(seq, d, dtype=torch.bfloat16):
@@ -45,18 +44,10 @@ def inputs(seq, d, dtype=torch.bfloat16):
     return [torch.randn(b, seq, HEADS, d, device="cuda", dtype=dtype) for _ in range(3)]
 
 
-def time_ms(fn):
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def best_of_rounds(fns, rounds=2):
-    """{name: ms}: the implementations timed in turn, `rounds` times over, each keeping its
-    fastest median, so clock drift during the run favours none of them."""
-    best = {name: float("inf") for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            best[name] = min(best[name], time_ms(fn))
-    return best
+def best_of_rounds(fns):
+    """{name: ms}: the implementations timed in turns, each keeping its best round."""
+    timer = measure.Timer("cuda", rounds=2, warmup=5, turn_ms=100, reduce="min")
+    return dict(zip(fns, timer(*fns.values())))
 
 
 # A configuration measured next to the shipped one in every row, to decide the next default.
@@ -69,18 +60,6 @@ CANDIDATE = {
 }
 
 
-def cudnn_fn(q, k, v, causal):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-
-    def run():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-
-    return run
-
-
 def check_against_fa4(q, k, v, causal, out, lse):
     ref_out, ref_lse = fa4_backend.forward(q, k, v, causal, None)
     d_out = (out.float() - ref_out.float()).abs().max().item()
@@ -91,8 +70,7 @@ def check_against_fa4(q, k, v, causal, out, lse):
     return d_out
 
 
-def kernel_table(args, meta):
-    rows = []
+def kernel_table(args, meta, rows):
     seqs = SEQS[:3] if args.quick else SEQS
     for d in (128, 64):
         for causal in (False, True):
@@ -105,7 +83,7 @@ def kernel_table(args, meta):
                 fns = dict(
                     ours=lambda: cute_backend.forward(q, k, v, causal, None, out=out, lse=lse),
                     fa4=lambda: fa4_backend.forward(q, k, v, causal, None),
-                    cudnn=cudnn_fn(q, k, v, causal),
+                    cudnn=lambda: measure.sdpa(*measure.sdpa_layout(q, k, v), causal),
                 )
                 try:
                     o2, l2 = cute_backend.forward(q, k, v, causal, None, config=cand)
@@ -123,10 +101,8 @@ def kernel_table(args, meta):
                     candidate_tflops=tf.get("cand"), candidate_config=cand.name,
                     max_abs_diff_vs_fa4=diff,
                 )
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                rows.add(row)
                 del q, k, v, out, lse, fns
-    return rows
 
 
 def check_bwd_against_fa4(ours, ref):
@@ -139,10 +115,9 @@ def check_bwd_against_fa4(ours, ref):
     return diff
 
 
-def bwd_table(args, meta, d=128):
+def bwd_table(args, meta, rows, d=128):
     from flash_attn.cute.interface import _flash_attn_bwd
 
-    rows = []
     seqs = SEQS[:3] if args.quick else SEQS
     for causal in (False, True):
         for seq in seqs:
@@ -161,25 +136,19 @@ def bwd_table(args, meta, d=128):
 
             ref = fa4(False)
             diff = max(check_bwd_against_fa4(ours(det), ref) for det in (False, True))
-            times = dict(ringfa4=time_ms(lambda: ours(False)),
-                         ringfa4_det=time_ms(lambda: ours(True)),
-                         fa4=time_ms(lambda: fa4(False)), fa4_det=time_ms(lambda: fa4(True)))
-            qt, kt, vt = (t.transpose(1, 2).requires_grad_() for t in (q, k, v))
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            leaves = [t.detach().requires_grad_() for t in measure.sdpa_layout(q, k, v)]
+            o = measure.sdpa(*leaves, causal)
             dot = dout.transpose(1, 2)
-            times["cudnn"] = time_ms(
-                lambda: torch.autograd.grad(o, (qt, kt, vt), dot, retain_graph=True))
+            times = best_of_rounds(dict(
+                ringfa4=lambda: ours(False), ringfa4_det=lambda: ours(True),
+                fa4=lambda: fa4(False), fa4_det=lambda: fa4(True),
+                cudnn=lambda: torch.autograd.grad(o, leaves, dot, retain_graph=True)))
             row = dict(meta, direction="bwd", dtype="bf16", hdim=d, seq=seq, causal=causal,
-                       **{f"{k_}_tflops": round(2.5 * tflops(b, seq, HEADS, d, causal, ms), 1)
+                       **{f"{k_}_tflops": round(tflops(b, seq, HEADS, d, causal, ms, "bwd"), 1)
                           for k_, ms in times.items()},
                        max_abs_diff_vs_fa4=diff)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            del q, k, v, dout, out, lse, qt, kt, vt, o
-    return rows
+            rows.add(row)
+            del q, k, v, dout, out, lse, leaves, o
 
 
 def bwd_markdown(rows):
@@ -210,8 +179,7 @@ TECHNIQUES = [
 ]
 
 
-def technique_table(args, meta, seq=8192, d=128):
-    rows = []
+def technique_table(args, meta, rows, seq=8192, d=128):
     for causal in (False, True):
         q, k, v = inputs(seq, d)
         b = q.shape[0]
@@ -228,13 +196,11 @@ def technique_table(args, meta, seq=8192, d=128):
             ms = best_of_rounds(dict(
                 ours=lambda: cute_backend.forward(q, k, v, causal, None, out=out, lse=lse, config=cfg),
                 fa4=lambda: fa4_backend.forward(q, k, v, causal, None),
-            ), rounds=2)
+            ))
             row = dict(meta, seq=seq, hdim=d, causal=causal, variant=label, config=cfg.name,
                        tflops=round(tflops(b, seq, HEADS, d, causal, ms["ours"]), 1),
                        fa4_tflops=round(tflops(b, seq, HEADS, d, causal, ms["fa4"]), 1))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    return rows
+            rows.add(row)
 
 
 def sass_report(out_dir):
@@ -285,32 +251,31 @@ def markdown(rows, techniques, meta):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--commit", required=True, help="commit of the tree being measured")
+    p = measure.parser(__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="seq 1k..4k only")
     p.add_argument("--no-techniques", action="store_true")
     p.add_argument("--sass", metavar="DIR", help="also report registers/spills and SASS HGMMA")
     p.add_argument("--direction", choices=("fwd", "bwd", "both"), default="both")
     args = p.parse_args()
+    measure.check_output_args(p, args, smoke=False)
     reason = fa4_backend.unsupported_reason(*inputs(128, 128)[:3], False, False)
     if reason:
         sys.exit(f"FA4 anchor unavailable: {reason}")
-    meta = dict(device=torch.cuda.get_device_name(), commit=args.commit,
-                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"))
-    rows = kernel_table(args, meta) if args.direction != "bwd" else []
-    techniques = [] if args.no_techniques or args.direction == "bwd" else technique_table(args, meta)
-    bwd_rows = bwd_table(args, meta) if args.direction != "fwd" else []
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "kernels.json"), "w") as f:
-        json.dump(rows + bwd_rows, f, indent=1)
-    if techniques:
-        with open(os.path.join(RESULTS, "kernels_techniques.json"), "w") as f:
-            json.dump(techniques, f, indent=1)
+    meta = measure.metadata("cuda", args.commit)
+    out_dir = measure.output_dir(args)
+    rows, techniques = measure.Rows(out_dir / "kernels.json"), measure.Rows(out_dir / "kernels_techniques.json")
+    if args.direction != "bwd":
+        kernel_table(args, meta, rows)
+        if not args.no_techniques:
+            technique_table(args, meta, techniques)
+    fwd_rows = list(rows)
+    if args.direction != "fwd":
+        bwd_table(args, meta, rows)
     if args.sass:
         print("\n".join(sass_report(args.sass)))
-    print(markdown(rows, techniques, meta))
-    if bwd_rows:
-        print(bwd_markdown(bwd_rows))
+    print(markdown(fwd_rows, techniques, meta))
+    if len(rows) > len(fwd_rows):
+        print(bwd_markdown(rows[len(fwd_rows):]))
 
 
 if __name__ == "__main__":

@@ -13,16 +13,12 @@ repeated to the query heads (its SDPA path takes no GQA; torchtitan does the sam
 rotate method and load balancer (disabled for non-causal, which it refuses otherwise).
 One more ring call per row runs under ringfa4.ring.timeline: per-step compute, merge and transfer
 times from CUDA events. Before timing, the ring's output is compared with the single-GPU one, so
-nothing wrong is timed. Rows go to bench/results/ring.json; a markdown table is printed last.
+nothing wrong is timed. Rows go to ring.json in a temporary directory, --out-dir DIR, or with
+--record bench/results/ring.json (bench/measure.py); a markdown table is printed last.
 """
-import argparse
 import contextlib
-import datetime
-import json
 import os
-import subprocess
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -30,16 +26,16 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import ringfa4  # noqa: E402
-from ringfa4 import backends  # noqa: E402
+from bench import measure  # noqa: E402
+from ringfa4 import backends, flops  # noqa: E402
 from ringfa4.ring import comm, merge, timeline  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ring.json")
 # The ring's bf16 output vs one GPU's: two roundings of values |O| < ~4 apart, never more.
 MAX_DIFF = 3e-2
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = measure.parser(__doc__.split("\n\n")[0])
     p.add_argument("--backends", default="fa4,cute", help="comma list; a backend that cannot run is reported and skipped")
     p.add_argument("--seqs", default="16384,32768,65536,131072", help="total causal sequence lengths")
     p.add_argument("--full-seqs", default="32768", help="total non-causal sequence lengths")
@@ -48,67 +44,12 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iters", type=int, default=3, help="calls per round")
     p.add_argument("--rounds", type=int, default=3, help="rounds, taken in turn by the contenders of a row")
-    p.add_argument("--commit", default=None, help="commit of the measured tree (default: git rev-parse)")
-    p.add_argument("--out", default=None, help=f"JSON rows (default {RESULTS}; none in --smoke mode)")
     p.add_argument("--smoke", action="store_true", help="CPU/gloo, backend torch, float32, tiny shapes")
     args = p.parse_args()
     if args.smoke:
         args.backends, args.seqs, args.full_seqs, args.heads, args.head_dim = "torch", "256", "256", "4:4,4:2", 32
-    elif args.out is None:
-        args.out = RESULTS
+    measure.check_output_args(p, args, args.smoke)
     return args
-
-
-def fwd_bwd_flops(seq, heads, head_dim, causal):
-    return 3.5 * 4 * seq * seq * heads * head_dim / (2 if causal else 1)
-
-
-class Timer:
-    """ms per call of each of several fns (slowest rank), CUDA events on GPU, perf_counter on CPU.
-
-    The fns take turns, ``iters`` calls of one at a time, for ``rounds`` rounds, and each gets the
-    median of its rounds: a drift of the GPUs' clocks over a row (power, heat) then reaches every
-    contender alike instead of whichever ran during it. Every turn starts on all ranks at once: a
-    rank that finished the previous fn sooner (a faster GPU running a one-GPU fn) would otherwise
-    start its clock early and count, in a ring's first call, the wait for the slower rank."""
-
-    def __init__(self, device, warmup, iters, rounds):
-        self.device, self.warmup, self.iters, self.rounds = device, warmup, iters, rounds
-        self.mallocs = []  # of the last call, per fn: cudaMalloc calls in its timed turns (warm-up excluded)
-
-    def __call__(self, *fns):
-        # Warm-up in turns too, so that the allocator's cache holds what each fn needs after the others.
-        for _ in range(self.warmup):
-            for fn in fns:
-                fn()
-        self.mallocs = [0] * len(fns)
-        ms = [[self._time(fn, i) for i, fn in enumerate(fns)] for _ in range(self.rounds)]
-        worst = torch.tensor(ms, dtype=torch.float64, device=self.device)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        return tuple(worst.median(dim=0).values.tolist())
-
-    def _time(self, fn, index):
-        self._sync()
-        dist.barrier()
-        self._sync()
-        if self.device.type == "cuda":
-            mallocs = _device_mallocs(self.device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(self.iters):
-                fn()
-            end.record()
-            end.synchronize()
-            self.mallocs[index] += _device_mallocs(self.device) - mallocs
-            return start.elapsed_time(end) / self.iters
-        t0 = time.perf_counter()
-        for _ in range(self.iters):
-            fn()
-        return (time.perf_counter() - t0) * 1e3 / self.iters
-
-    def _sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
 
 def fwd_bwd(attn, leaves, dout):
@@ -140,20 +81,16 @@ def torch_cp(q, k, v, dout, causal, mesh):
     Its context stays entered while fn runs, so that fn can take turns with ours in one Timer
     call; it changes only SDPA, which ringfa4 does not call."""
     from torch.distributed.tensor.experimental import _attention, context_parallel
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    group = q.shape[2] // k.shape[2]
-    # (b, s, h, d) -> (b, h, s, d), kv heads repeated for SDPA; fresh buffers: CP shards them in place.
-    bufs = [t.transpose(1, 2).contiguous() for t in (q, k.repeat_interleave(group, 2), v.repeat_interleave(group, 2), dout)]
+    # Fresh buffers in SDPA's layout: CP shards them in place.
+    bufs = [t.contiguous() for t in measure.sdpa_layout(q, k, v) + [dout.transpose(1, 2)]]
     _cp_options = _attention._cp_options  # private: where PyTorch keeps the load balancer switch
     old = _cp_options.enable_load_balance
     _cp_options.enable_load_balance = causal
     try:
         with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 4, no_restore_buffers=set(bufs)):
             leaves = [t.detach().requires_grad_() for t in bufs[:3]]
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                sdpa = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
-                yield fwd_bwd(sdpa, leaves, bufs[3]), str(_cp_options.rotate_method.name)
+            yield fwd_bwd(lambda *qkv: measure.sdpa(*qkv, causal), leaves, bufs[3]), str(_cp_options.rotate_method.name)
     finally:
         _cp_options.enable_load_balance = old
 
@@ -171,22 +108,6 @@ def enter_torch_cp(stack, q, k, v, dout, causal, mesh, say):
         error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         say(f"torch context_parallel failed: {error}", flush=True)
         return None, None, error
-
-
-def _device_mallocs(device):
-    """cudaMalloc calls the caching allocator has made so far on a CUDA device (each may wait for
-    the device): a timed call that needs new ones pays for them."""
-    return torch.cuda.memory_stats(device).get("num_device_alloc", 0)
-
-
-def commit(args):
-    if args.commit:
-        return args.commit
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def merge_microbench(timer, local, heads, head_dim, device):
@@ -217,21 +138,20 @@ def main():
     if device.type == "cuda":
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cuda", (world,))
-    timer = Timer(device, args.warmup, args.iters, args.rounds)
+    timer = measure.Timer(device, rounds=args.rounds, warmup=args.warmup, iters=args.iters, reduce="median",
+                          group=dist.group.WORLD)
     say = print if rank == 0 else (lambda *a, **k: None)
-    meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (gloo smoke)",
-                commit=commit(args), date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                world=world, torch=torch.__version__)
+    meta = measure.metadata(device, args.commit, world=world)
     say(f"# bench/ring.py {meta}", flush=True)
+    rows = measure.Rows(measure.output_dir(args) / "ring.json" if rank == 0 else None)
 
     heads = [tuple(int(x) for x in pair.split(":")) for pair in args.heads.split(",")]
     configs = [(int(s), True) for s in args.seqs.split(",")] + [(int(s), False) for s in args.full_seqs.split(",")]
-    rows = []
     for h, hk in heads:
         for seq, causal in configs:
             d = args.head_dim
             q, k, v, dout = inputs(seq, h, hk, d, dtype, device, seed=1000 + seq + h + hk)
-            flops = fwd_bwd_flops(seq, h, d, causal)
+            work = flops.attention(1, seq, seq, h, d, causal, "fwd+bwd")
             for name in args.backends.split(","):
                 reason = backends.get(name).unsupported_reason(q, k, v, causal, True)
                 if reason is not None:
@@ -265,10 +185,10 @@ def main():
                 row = dict(meta, seq=seq, causal=causal, heads=h, kv_heads=hk, head_dim=d, dtype=str(dtype).split(".")[-1],
                            backend=name, ringfa4_ms=round(ring_ms, 3), single_ms=round(single_ms, 3),
                            efficiency=round(single_ms / (world * ring_ms), 4),
-                           tflops_per_gpu=round(flops / world / (ring_ms * 1e-3) / 1e12, 1),
-                           single_tflops=round(flops / (single_ms * 1e-3) / 1e12, 1),
+                           tflops_per_gpu=round(flops.tflops(work / world, ring_ms), 1),
+                           single_tflops=round(flops.tflops(work, single_ms), 1),
                            torch_cp_ms=None if cp_ms is None else round(cp_ms, 3),
-                           torch_cp_tflops_per_gpu=None if cp_ms is None else round(flops / world / (cp_ms * 1e-3) / 1e12, 1),
+                           torch_cp_tflops_per_gpu=None if cp_ms is None else round(flops.tflops(work / world, cp_ms), 1),
                            torch_cp_rotate=cp_rotate, torch_cp_error=cp_error,
                            max_abs_diff_vs_single=float(f"{diff.item():.3g}"),
                            device_mallocs_while_timed=dict(zip(("single", "ring", "torch_cp"), timer.mallocs)),
@@ -277,19 +197,15 @@ def main():
                 if device.type == "cuda" and seq // world == 16384 and causal:
                     fused, eager = merge_microbench(timer, seq // world, h, d, device)
                     row.update(merge_fused_ms=round(fused, 4), merge_eager_ms=round(eager, 4))
-                rows.append(row)
-                say(json.dumps(row), flush=True)
+                rows.add(row)
                 del full, local, single, ring
             del q, k, v, dout
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
     if rank == 0:
-        if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(rows, f, indent=1)
         print(table(rows))
+        print(f"wrote {rows.path}")
     dist.destroy_process_group()
 
 

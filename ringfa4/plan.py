@@ -33,6 +33,7 @@ import os
 import statistics
 from dataclasses import dataclass, replace
 
+from ringfa4 import flops
 from ringfa4.ring import schedule
 
 MiB = 1 << 20
@@ -275,13 +276,12 @@ def _row_shape(r):
 
 
 def _kernel_ms(gpu, shape, direction, sq, sk, causal):
-    flops = 4 * sq * sk * shape.heads * shape.head_dim / (2 if causal else 1)
-    flops *= 2.5 if direction == "bwd" else 1.0
+    work = flops.attention(1, sq, sk, shape.heads, shape.head_dim, causal, direction)
     # The kernel rows vary only the length of each CTA's loop (their CTA count is fixed), and that
     # length is what sets the kernel's efficiency: a forward CTA loops over the keys of one query
     # tile, a backward CTA over the queries of one key tile.
     loop = sk if direction == "fwd" else sq
-    return flops / (gpu.kernel_tflops(direction, causal, loop) * 1e12) * 1e3
+    return work / (gpu.kernel_tflops(direction, causal, loop) * 1e12) * 1e3
 
 
 def _hbm_ms(gpu, nbytes):
