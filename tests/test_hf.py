@@ -1,0 +1,170 @@
+"""A transformers LlamaForCausalLM with ringfa4's attention (ringfa4.hf) under FSDP2 x CP.
+
+A step on cp (and dp_shard x cp) gloo ranks must give the loss and gradients of the same model run
+by transformers' own SDPA attention on the full sequences in one process (fp64), with labels
+shifted on the full sequence and the loss the mean over the labelled tokens of the global batch;
+what the ring cannot do yet is refused with a named error. Needs the hf extra.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from ringfa4 import hf  # noqa: E402
+from ringfa4.nn import build_mesh  # noqa: E402
+from ringfa4.nn.parallel import CP, DP_SHARD  # noqa: E402
+from ringfa4.train import launch  # noqa: E402
+
+SEQ_LEN, BATCH, VOCAB, SEED = 24, 4, 64, 1234
+
+
+def make_model(attn_implementation, tie=False, **config):
+    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=tie)
+    cfg = transformers.LlamaConfig(**{**fields, **config})
+    torch.manual_seed(SEED)  # the same weights in every process
+    model = transformers.LlamaForCausalLM(cfg).to(torch.float64)
+    model.set_attn_implementation(attn_implementation)
+    return model
+
+
+def make_batch():
+    gen = torch.Generator().manual_seed(SEED)
+    input_ids = torch.randint(VOCAB, (BATCH, SEQ_LEN), generator=gen)
+    labels = input_ids.clone()
+    labels[0, :5] = hf.IGNORE_INDEX  # a prompt without loss: the global count is not b * s
+    labels[3, 10:] = hf.IGNORE_INDEX
+    return input_ids, labels
+
+
+def reference_step(tie):
+    """transformers' SDPA attention (fp64 throughout, unlike its eager softmax) on the full sequences; the loss shifts logits, not labels."""
+    model = make_model("sdpa", tie)
+    input_ids, labels = make_batch()
+    logits = model(input_ids=input_ids, use_cache=False).logits
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=hf.IGNORE_INDEX)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def parallel_step(dp_shard, cp, layout, tie, recompute, rank, world, local_rank):
+    import torch.distributed as dist
+    torch.set_num_threads(1)  # the ranks share two CI cores
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = build_mesh("cpu", dp_shard, cp)
+        ring = hf.register(mesh[CP].get_group(), layout=layout, backend="torch")
+        model = make_model(ring.name, tie)
+        hf.fully_shard_model(model, mesh, activation_checkpointing=recompute)
+        input_ids, labels = make_batch()
+        rows = slice(mesh.get_local_rank(DP_SHARD) * BATCH // dp_shard,
+                     (mesh.get_local_rank(DP_SHARD) + 1) * BATCH // dp_shard)
+        batch = ring.shard_batch(input_ids[rows], labels[rows])
+        share = hf.causal_lm_loss(model, batch, hf.global_token_count(batch))
+        share.backward()
+        loss = share.detach().clone()
+        dist.all_reduce(loss)
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        refused = None
+        if layout == "zigzag":  # every rank's local arange is wrong there, so all of them refuse
+            try:
+                model(input_ids=batch["input_ids"], use_cache=False)  # transformers' default positions
+            except ValueError as e:
+                refused = str(e)
+        return loss.item(), grads, refused
+    finally:
+        dist.destroy_process_group()
+
+
+def assert_same_step(dp_shard, cp, layout, tie, recompute):
+    ref_loss, ref_grads = reference_step(tie)
+    loss, grads, refused = launch.spawn(parallel_step, dp_shard * cp, dp_shard, cp, layout, tie, recompute)
+    assert abs(loss - ref_loss) <= 1e-9 * abs(ref_loss), (loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():
+        err = (grads[name] - ref).abs().max().item()
+        assert err <= 1e-8 * ref.abs().max().item(), f"{name}: max error {err:.3e}"
+    return refused
+
+
+def test_cp2_zigzag_step_matches_transformers_sdpa_and_refuses_local_positions():
+    refused = assert_same_step(dp_shard=1, cp=2, layout="zigzag", tie=True, recompute=True)
+    assert refused is not None and "global positions of this rank's tokens" in refused
+
+
+def test_dp2_x_cp2_contiguous_step_matches_transformers_sdpa():
+    assert_same_step(dp_shard=2, cp=2, layout="contiguous", tie=False, recompute=False)
+
+
+# ---------------------------------------------------------------- one process: refusals
+
+
+@pytest.fixture(scope="module")
+def ring():
+    return hf.register(name="ringfa4-test", backend="torch")
+
+
+def test_one_rank_matches_transformers_sdpa(ring):
+    input_ids, labels = make_batch()
+    batch = ring.shard_batch(input_ids, labels)
+    loss = hf.causal_lm_loss(make_model(ring.name), batch, hf.global_token_count(batch))
+    ref_loss, _ = reference_step(tie=False)
+    assert abs(loss.item() - ref_loss) <= 1e-12 * ref_loss
+
+
+def test_padding_masks_are_refused_and_an_all_ones_mask_is_not(ring):
+    model = make_model(ring.name)
+    input_ids, _ = make_batch()
+    positions = torch.arange(SEQ_LEN).unsqueeze(0)
+    padded = torch.ones_like(input_ids)
+    padded[1, -3:] = 0
+    with pytest.raises(hf.PaddingNotSupported, match="attention_mask masks tokens"):
+        ring.shard_batch(input_ids, attention_mask=padded)
+    with pytest.raises(hf.PaddingNotSupported, match="attention_mask"):
+        model(input_ids=input_ids, position_ids=positions, attention_mask=padded, use_cache=False)
+    plain = model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
+    ones = model(input_ids=input_ids, position_ids=positions, attention_mask=torch.ones_like(input_ids),
+                 use_cache=False).logits
+    torch.testing.assert_close(ones, plain, rtol=0, atol=0)
+
+
+def test_packed_documents_are_refused(ring):
+    model = make_model(ring.name)
+    input_ids, _ = make_batch()
+    packed = torch.cat([torch.arange(10), torch.arange(SEQ_LEN - 10)]).unsqueeze(0)  # two documents
+    with pytest.raises(hf.PackedSequencesNotSupported, match="packed documents"):
+        ring.shard_batch(input_ids, position_ids=packed)
+    with pytest.raises(hf.PackedSequencesNotSupported, match="packed documents"):
+        model(input_ids=input_ids, position_ids=packed, use_cache=False)
+
+
+def test_sliding_window_shorter_than_the_sequence_is_refused(ring):
+    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2)
+    input_ids, _ = make_batch()
+    positions = torch.arange(SEQ_LEN).unsqueeze(0)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=SEQ_LEN - 1, **fields))
+    model.set_attn_implementation(ring.name)
+    with pytest.raises(hf.SlidingWindowNotSupported, match=f"sliding_window={SEQ_LEN - 1}"):
+        model(input_ids=input_ids, position_ids=positions, use_cache=False)
+    # A window that covers the whole sequence is plain causal attention: it runs, and agrees with sdpa.
+    torch.manual_seed(SEED)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=SEQ_LEN, **fields))
+    model.set_attn_implementation("sdpa")
+    sdpa = model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
+    model.set_attn_implementation(ring.name)
+    ours = model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
+    torch.testing.assert_close(ours, sdpa, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_dropout_and_kv_caches_are_refused(ring):
+    input_ids, _ = make_batch()
+    positions = torch.arange(SEQ_LEN).unsqueeze(0)
+    with pytest.raises(hf.UnsupportedByRing, match="attention dropout 0.1"):
+        make_model(ring.name, attention_dropout=0.1).train()(input_ids=input_ids, position_ids=positions,
+                                                             use_cache=False)
+    model = make_model(ring.name).eval()
+    cache = model(input_ids=input_ids, position_ids=positions, use_cache=True).past_key_values
+    with pytest.raises(hf.UnsupportedByRing, match="KV caches"):
+        model(input_ids=input_ids[:, :1], position_ids=positions[:, :1] + SEQ_LEN, past_key_values=cache)
