@@ -1,8 +1,26 @@
-"""Throughput and memory figures for the progress line and metrics.jsonl."""
+"""Run metrics: throughput and memory figures, and the sinks a step's record goes to.
+
+A record is one dict per log interval (step, loss, lr, grad_norm, tokens_per_s, tflops_per_device,
+mfu, peak_mem_gib). ``Writer`` sends it, on rank 0 only, to the sinks ``train.metrics`` names:
+
+    console      the progress line (Progress)
+    jsonl        <run_dir>/metrics.jsonl, one JSON object per line
+    tensorboard  <run_dir>/tensorboard, torch.utils.tensorboard event files (extra: ringfa4[tensorboard])
+    wandb        a Weights & Biases run in <run_dir>/wandb (extra: ringfa4[wandb]); WANDB_MODE=offline
+                 keeps it on disk with no network or account, for `wandb sync` later
+"""
+import importlib.util
+import json
+import os
 import resource
 import sys
+from pathlib import Path
 
 import torch
+
+SINKS = ("console", "jsonl", "tensorboard", "wandb")
+# The package each optional sink imports, and the extra that installs it.
+_OPTIONAL = {"tensorboard": ("tensorboard", "ringfa4[tensorboard]"), "wandb": ("wandb", "ringfa4[wandb]")}
 
 # Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets, matched on the device name.
 # MFU is reported only for devices listed here.
@@ -33,10 +51,10 @@ def peak_memory_gib(device):
 class Progress:
     """One line per log interval; on a terminal the line redraws in place as a bar."""
 
-    def __init__(self, total_steps, stream=sys.stdout):
+    def __init__(self, total_steps, stream=None):
         self.total = total_steps
-        self.stream = stream
-        self.tty = stream.isatty()
+        self.stream = sys.stdout if stream is None else stream
+        self.tty = self.stream.isatty()
 
     def update(self, step, record):
         width = 24
@@ -56,3 +74,67 @@ class Progress:
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
+
+
+def sink_problem(sinks):
+    """Why the sinks named in ``sinks`` cannot be used (an unknown name, a package not installed),
+    or None; checked before a run starts."""
+    if isinstance(sinks, str) or not all(isinstance(name, str) for name in sinks):
+        return f"must be a list of names from {list(SINKS)}, got {sinks!r}"
+    for name in sinks:
+        if name not in SINKS:
+            return f"{name!r} is not one of {list(SINKS)}"
+        if name in _OPTIONAL and importlib.util.find_spec(_OPTIONAL[name][0]) is None:
+            package, extra = _OPTIONAL[name]
+            return f"{name} needs the {package} package: pip install \"{extra}\""
+    if len(set(sinks)) != len(sinks):
+        return f"names a sink twice: {list(sinks)}"
+    return None
+
+
+class Writer:
+    """Rank 0's records to the chosen sinks (other ranks make a Writer of no sinks).
+
+    ``run_dir`` holds the file sinks (jsonl, tensorboard, wandb); without one they are refused.
+    ``config`` (a plain dict) is stored with the wandb run. Call ``close`` at the end of the run:
+    wandb finishes its run there (worker processes skip atexit handlers).
+    """
+
+    def __init__(self, sinks, total_steps, run_dir=None, config=None, project="ringfa4"):
+        problem = sink_problem(sinks)
+        if problem:
+            raise ValueError(f"metrics sinks: {problem}")
+        files = [name for name in sinks if name != "console"]
+        if files and not run_dir:
+            raise ValueError(f"metrics sinks {files} write into the run directory, but none was given")
+        self.progress = Progress(total_steps) if "console" in sinks else None
+        self.jsonl = Path(run_dir) / "metrics.jsonl" if "jsonl" in sinks else None
+        self.tensorboard = self.wandb = None
+        if "tensorboard" in sinks:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tensorboard = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        if "wandb" in sinks:
+            import wandb
+            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", project), dir=str(run_dir),
+                                    config=config)
+
+    def write(self, record):
+        step = record["step"]
+        if self.progress:
+            self.progress.update(step, record)
+        if self.jsonl:
+            with open(self.jsonl, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        scalars = {f"train/{key}": value for key, value in record.items() if key != "step" and value is not None}
+        if self.tensorboard:
+            for tag, value in scalars.items():
+                self.tensorboard.add_scalar(tag, value, step)
+            self.tensorboard.flush()  # a run killed later keeps what it logged
+        if self.wandb:
+            self.wandb.log(scalars, step=step)
+
+    def close(self):
+        if self.tensorboard:
+            self.tensorboard.close()
+        if self.wandb:
+            self.wandb.finish()
