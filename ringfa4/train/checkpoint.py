@@ -1,10 +1,16 @@
-"""Atomic torch.distributed.checkpoint (DCP) snapshots of a training run.
+"""Atomic, checksummed torch.distributed.checkpoint (DCP) snapshots of a training run.
 
 Layout: <dir>/step_<08d>/ holds one DCP checkpoint plus a COMPLETE marker. A snapshot is written
-into step_<08d>.partial/, the marker is written last, and only then is the folder renamed, so a
-run killed mid-save leaves a .partial folder that is never read (and is cleared by the next save).
+into step_<08d>.partial/; the marker, written last, lists the size and SHA-256 of every file of
+the snapshot, and only then is the folder renamed, so a run killed mid-save leaves a .partial
+folder that is never read (and is cleared by the next save). A resumed run checks the newest
+snapshot against its marker before loading it; one that fails is moved aside to
+step_<08d>.corrupt and the next older one is tried. Ranks hash the files in turns, so
+writing and checking cost one read of the snapshot spread over all ranks.
 The directory must be on a file system every rank sees (one node's disk, or a shared one).
 """
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -17,11 +23,20 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 MARKER = "COMPLETE"
+CORRUPT_SUFFIX = ".corrupt"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
+class CheckpointError(RuntimeError):
+    """No checkpoint to resume from passes its integrity check."""
+
+
+def step_dir(directory, step):
+    return Path(directory) / f"step_{step:08d}"
+
+
 def complete_steps(directory):
-    """Steps with a complete checkpoint in ``directory``, ascending."""
+    """Steps with a complete checkpoint (a COMPLETE marker) in ``directory``, ascending."""
     root = Path(directory)
     if not root.is_dir():
         return []
@@ -31,6 +46,70 @@ def complete_steps(directory):
         if match and (entry / MARKER).is_file():
             steps.append(int(match.group(1)))
     return sorted(steps)
+
+
+def _digest(path):
+    with open(path, "rb") as f:
+        return {"bytes": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+
+
+def _in_turns(names, fn):
+    """{name: fn(name)} over all ranks, each rank doing every world-th name. Collective."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {name: fn(name) for name in names[rank::world]}
+    parts = [None] * world
+    dist.all_gather_object(parts, mine)
+    return {name: value for part in parts for name, value in part.items()}
+
+
+def _file_problem(folder, name, expected):
+    path = folder / name
+    if not path.is_file():
+        return f"{path} is missing"
+    found = _digest(path)
+    if found["bytes"] != expected["bytes"]:
+        return f"{path} has {found['bytes']} bytes, the marker says {expected['bytes']}"
+    if found["sha256"] != expected["sha256"]:
+        return f"{path} has SHA-256 {found['sha256'][:16]}..., the marker says {expected['sha256'][:16]}..."
+    return None
+
+
+def verify(folder):
+    """None if every file of the checkpoint ``folder`` matches its marker, else what does not.
+    Collective: every rank gets the same answer."""
+    folder = Path(folder)
+    try:
+        files = json.loads((folder / MARKER).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{folder / MARKER} holds no file list ({type(e).__name__}: {e})"
+    problems = _in_turns(sorted(files), lambda name: _file_problem(folder, name, files[name]))
+    found = [problem for _, problem in sorted(problems.items()) if problem]
+    return "; ".join(found) or None
+
+
+def newest_valid(directory, log):
+    """The newest step in ``directory`` whose checkpoint passes ``verify`` (None if there is none
+    at all). Each one that fails is reported through ``log`` and moved aside. Collective."""
+    failed = []
+    for step in reversed(complete_steps(directory)):
+        folder = step_dir(directory, step)
+        problem = verify(folder)
+        if problem is None:
+            if failed:
+                log(f"resuming from {folder}, the newest checkpoint that passes its integrity check")
+            return step
+        failed.append(folder)
+        if dist.get_rank() == 0:
+            aside = folder.with_name(folder.name + CORRUPT_SUFFIX)
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(folder, aside)
+            log(f"checkpoint {folder} fails its integrity check ({problem}); moved it to {aside}")
+        dist.barrier()
+    if failed:
+        raise CheckpointError(f"no checkpoint in {directory} passes its integrity check (failed, moved aside: "
+                              f"{', '.join(map(str, failed))}); run again to start from step 0, or restore "
+                              f"a good copy")
+    return None
 
 
 def _rng_state(device):
@@ -48,11 +127,29 @@ def _fsync_dir(path):
         os.close(fd)
 
 
+def _write_marker(folder, step, files):
+    with open(folder / MARKER, "w") as f:
+        json.dump({"step": step, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def prune(directory, step, keep):
+    """Remove checkpoints older than ``step`` beyond the newest ``keep`` (0 keeps all); ``step``
+    itself, just written and checked, always stays."""
+    if keep <= 0:
+        return
+    older = [s for s in complete_steps(directory) if s < step]
+    for old in older[:max(0, len(older) - (keep - 1))]:
+        shutil.rmtree(step_dir(directory, old), ignore_errors=True)
+
+
 def save(directory, step, model, optimizer, data_position, device, keep):
     """Collective: every rank calls it with the same step. Keeps the newest ``keep`` snapshots."""
     root = Path(directory)
     rank = dist.get_rank()
-    final, partial = root / f"step_{step:08d}", root / f"step_{step:08d}.partial"
+    final = step_dir(root, step)
+    partial = final.with_name(final.name + ".partial")
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
@@ -64,25 +161,23 @@ def save(directory, step, model, optimizer, data_position, device, keep):
         # Per-rank keys: DCP stores one copy of equal keys, but every rank's generators differ.
         "rng": {f"rank{rank}": _rng_state(device)},
     }
+    # dcp.save returns on every rank after the coordinator wrote the metadata, i.e. after every
+    # rank's data, so every rank sees the same finished list of files.
     dcp.save(state, checkpoint_id=str(partial))
-    # dcp.save returns after the coordinator wrote the metadata, i.e. after every rank's data.
+    files = _in_turns(sorted(p.name for p in partial.iterdir()), lambda name: _digest(partial / name))
     if rank == 0:
-        with open(partial / MARKER, "w") as f:
-            f.write(f"{step}\n")
-            f.flush()
-            os.fsync(f.fileno())
+        _write_marker(partial, step, files)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(partial, final)
         _fsync_dir(root)
-        for old in complete_steps(root)[:-keep] if keep > 0 else []:
-            shutil.rmtree(root / f"step_{old:08d}", ignore_errors=True)
+        prune(root, step, keep)
     dist.barrier()
 
 
 def load(directory, step, model, optimizer, device):
     """Restore model, optimizer and (at the same world size) every rank's RNG; returns
     (step, data_position)."""
-    path = str(Path(directory) / f"step_{step:08d}")
+    path = str(step_dir(directory, step))
     rank = dist.get_rank()
     state = {
         "model": get_model_state_dict(model),

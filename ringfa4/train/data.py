@@ -47,8 +47,14 @@ def text_stream(paths):
             matched = sorted(glob.glob(os.path.expanduser(pattern)))
             if not matched:
                 raise FileNotFoundError(f"data.paths entry {pattern!r} matches no file")
+            folders = [m for m in matched if os.path.isdir(m)]
+            if folders:
+                raise ConfigError(f"data.paths entry {pattern!r} matches the directory {folders[0]!r}: name "
+                                  f"files, or a glob of them such as {os.path.join(folders[0], '*.txt')!r}")
             files += matched
     data = b"".join(Path(f).read_bytes() for f in files)
+    if not data:
+        raise ConfigError(f"data.paths {paths!r}: the {len(files)} file(s) it names are empty")
     return TokenStream(torch.frombuffer(bytearray(data), dtype=torch.uint8), BYTE_VOCAB, f"{len(files)} text file(s)")
 
 
@@ -101,19 +107,16 @@ class SyntheticSampler:
 
 
 def build_sampler(data_cfg, seq_len, vocab_size, seed):
-    """The sampler for the ``data`` config group; raises naming the setting on missing files or a
-    vocabulary the model cannot embed."""
-    kind = data_cfg["kind"]
-    if kind == "synthetic":
+    """The sampler for ``data_cfg`` (a config.DataConfig); raises naming the setting on missing or
+    empty files or a vocabulary the model cannot embed."""
+    if data_cfg.kind == "synthetic":
         return SyntheticSampler(vocab_size, seq_len, seed)
-    if kind == "text":
-        stream = text_stream(list(data_cfg.get("paths") or []))
-    elif kind == "tokens":
-        stream = token_file_stream(data_cfg.get("path"), data_cfg.get("dtype", "uint16"))
+    if data_cfg.kind == "text":
+        stream = text_stream(data_cfg.paths)
     else:
-        raise ConfigError(f"data.kind must be one of synthetic, text, tokens; got {kind!r}")
+        stream = token_file_stream(data_cfg.path, data_cfg.dtype)
     if stream.vocab_size is not None and stream.vocab_size > vocab_size:
-        raise ConfigError(f"data.kind={kind} has {stream.vocab_size} token ids but model.vocab_size={vocab_size}")
+        raise ConfigError(f"data.kind={data_cfg.kind} has {stream.vocab_size} token ids but model.vocab_size={vocab_size}")
     return StreamSampler(stream, seq_len, seed)
 
 

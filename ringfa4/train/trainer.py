@@ -1,7 +1,18 @@
-"""One rank of a training run: mesh, model, optimizer, data, loop, checkpoints."""
+"""One rank of a training run, in the pieces bench/train.py and the tests use as well:
+
+    build        settings, mesh, model (FSDP2 x CP), optimizer and sampler of a JobConfig
+    make_batch   this rank's share of a global batch
+    train_step   forward, backward, clipping, optimizer step; the global loss
+    Log          progress line and metrics.jsonl; stops the run on a non-finite loss
+    resume/save  DCP checkpoints (ringfa4.train.checkpoint)
+
+``train`` joins them into the loop that `ringfa4-train` runs on every rank.
+"""
+import contextlib
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -9,14 +20,23 @@ import torch.distributed as dist
 
 from ringfa4.nn import Transformer, build_mesh, parallelize, shard_sequence
 from ringfa4.nn.parallel import CP, DP_SHARD
-from ringfa4.ring import comm
-from ringfa4.train import checkpoint, config, data, metrics
+from ringfa4.train import checkpoint, config, data, launch, metrics
+
+
+class NonFiniteLoss(FloatingPointError):
+    """The loss became NaN or infinite; the run stops without writing a checkpoint."""
+
+
+def say(message):
+    """A line of the run's log (rank 0's stdout)."""
+    if dist.get_rank() == 0:
+        print(f"ringfa4-train: {message}", flush=True)
 
 
 def lr_at(step, train_cfg):
-    """Linear warmup to train.lr over warmup_steps, then cosine decay to train.min_lr at train.steps
-    (step counts from 1)."""
-    lr, min_lr, warmup, steps = train_cfg["lr"], train_cfg["min_lr"], train_cfg["warmup_steps"], train_cfg["steps"]
+    """Linear warmup to train.lr over the warmup steps, then cosine decay to train.min_lr at
+    train.steps (step counts from 1)."""
+    lr, min_lr, warmup, steps = train_cfg.lr, train_cfg.min_lr, train_cfg.warmup, train_cfg.steps
     if step <= warmup:
         return lr * step / warmup
     progress = (step - warmup) / max(1, steps - warmup)
@@ -26,9 +46,55 @@ def lr_at(step, train_cfg):
 def build_optimizer(model, train_cfg):
     """AdamW; matrices decay, norm gains do not."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": train_cfg["weight_decay"]},
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": train_cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=train_cfg["lr"], betas=tuple(train_cfg["betas"]))
+    return torch.optim.AdamW(groups, lr=train_cfg.lr, betas=tuple(train_cfg.betas))
+
+
+@dataclass
+class Run:
+    """Everything one rank trains with."""
+    job: config.JobConfig
+    settings: config.Settings
+    device: torch.device
+    backend: str
+    mesh: object
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    sampler: object
+
+
+def build(job, device):
+    """The Run of ``job`` on this rank (the process group is up); raises ConfigError naming a
+    setting this world size or device cannot honour."""
+    settings = config.resolve(job, dist.get_world_size(), device.type)
+    backend = config.check_backend(settings, device)
+    sampler = data.build_sampler(job.data, job.train.seq_len, settings.model.vocab_size, job.train.seed)
+    mesh = build_mesh(device.type, settings.dp_shard, settings.cp)
+    with torch.device("meta"):
+        model = Transformer(settings.model)
+    parallelize(model, mesh, layout=settings.layout, backend=backend, param_dtype=settings.param_dtype,
+                activation_checkpointing=job.train.activation_checkpointing)
+    model.to_empty(device=device)
+    model.init_weights(job.train.seed)
+    return Run(job, settings, device, backend, mesh, model, build_optimizer(model, job.train), sampler)
+
+
+def local_samples(run, position):
+    """This data-parallel rank's whole sequences (local_batch, seq_len + 1) of the global batch
+    that starts at sample ``position``."""
+    first = position + run.mesh.get_local_rank(DP_SHARD) * run.settings.local_batch
+    return data.load_samples(run.sampler, first, run.settings.local_batch, run.settings.model.vocab_size)
+
+
+def make_batch(run, position):
+    """This rank's tokens, labels and global positions for the global batch starting at sample
+    ``position``: its data-parallel rows, sharded over the ring in the run's layout."""
+    samples = local_samples(run, position)
+    positions = torch.arange(samples.shape[1] - 1).unsqueeze(0)
+    batch = shard_sequence((samples[:, :-1], samples[:, 1:], positions), run.mesh[CP].get_group(),
+                           run.settings.layout)
+    return tuple(t.to(run.device) for t in batch)
 
 
 def loss_share(model, tokens, labels, positions, global_tokens):
@@ -38,107 +104,133 @@ def loss_share(model, tokens, labels, positions, global_tokens):
     return model(tokens, positions, labels) / global_tokens
 
 
-def make_batch(sampler, position, settings, mesh, seq_len, device):
-    """This rank's tokens, labels and global positions for the global batch starting at sample ``position``."""
-    first = position + mesh.get_local_rank(DP_SHARD) * settings.local_batch
-    samples = data.load_samples(sampler, first, settings.local_batch, settings.model.vocab_size)
-    positions = torch.arange(seq_len).unsqueeze(0)
-    tokens, labels, positions = shard_sequence((samples[:, :-1], samples[:, 1:], positions),
-                                               mesh[CP].get_group(), settings.layout)
-    return tokens.to(device), labels.to(device), positions.to(device)
-
-
-def train(cfg, rank, world_size, local_rank):
-    """Run the training described by the composed config ``cfg`` (a plain dict) on this rank;
-    the process group must not be initialised yet. Returns {step: global loss} of the steps run."""
-    train_cfg = cfg["train"]
-    dev_type = config.device_type(train_cfg)
-    settings = config.resolve(cfg, world_size, dev_type)
-    sampler = data.build_sampler(cfg["data"], train_cfg["seq_len"], settings.model.vocab_size, train_cfg["seed"])
-    if dev_type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device,
-                                pg_options=comm.nccl_options())
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        backend = config.check_backend(settings, device)
-        return _train(cfg, settings, backend, sampler, device)
-    finally:
-        dist.destroy_process_group()
-
-
-def _train(cfg, settings, backend, sampler, device):
-    train_cfg = cfg["train"]
-    rank, world = dist.get_rank(), dist.get_world_size()
-    seq_len, steps = train_cfg["seq_len"], train_cfg["steps"]
-    mesh = build_mesh(device.type, settings.dp_shard, settings.cp)
-    with torch.device("meta"):
-        model = Transformer(settings.model)
-    parallelize(model, mesh, layout=settings.layout, backend=backend, param_dtype=settings.param_dtype,
-                activation_checkpointing=train_cfg["activation_checkpointing"])
-    model.to_empty(device=device)
-    model.init_weights(train_cfg["seed"])
-    optimizer = build_optimizer(model, train_cfg)
-    torch.manual_seed(train_cfg["seed"] + rank)
-
-    start, position = 0, 0
-    ckpt_dir = train_cfg["checkpoint_dir"]
-    if train_cfg["resume"]:
-        done = checkpoint.complete_steps(ckpt_dir)
-        if done:
-            start, position = checkpoint.load(ckpt_dir, done[-1], model, optimizer, device)
-    if rank == 0:
-        print(f"ringfa4-train: {world} rank(s) on {device.type}, dp_shard={settings.dp_shard} x cp={settings.cp} "
-              f"({settings.layout}, backend {backend}), model {cfg['model'].get('name', '?')} with "
-              f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
-              f"seq_len={seq_len}, global batch {train_cfg['global_batch']} x {seq_len} tokens"
-              + (f", resumed at step {start}" if start else ""), flush=True)
-
-    global_tokens = train_cfg["global_batch"] * seq_len
-    flops_per_step = settings.model.flops_per_token(seq_len) * global_tokens
-    peak = metrics.peak_flops(device)
-    progress = metrics.Progress(steps) if rank == 0 else None
-    metrics_path = Path(cfg["run_dir"]) / "metrics.jsonl" if cfg.get("run_dir") and rank == 0 else None
-    losses, pending = {}, []
-    last_time, last_step = time.perf_counter(), start
-    for step in range(start + 1, steps + 1):
-        lr = lr_at(step, train_cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        tokens, labels, positions = make_batch(sampler, position, settings, mesh, seq_len, device)
-        share = loss_share(model, tokens, labels, positions, global_tokens)
+def train_step(model, optimizer, batch, global_tokens, grad_clip, context=contextlib.nullcontext):
+    """One optimizer step on ``batch`` (tokens, labels, positions) under ``context`` (entered
+    around forward and backward); returns the global loss (all-reduced, on device) and the
+    gradient norm before clipping (grad_clip None: no clipping)."""
+    with context():
+        share = loss_share(model, *batch, global_tokens)
         share.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), train_cfg["grad_clip"])
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        position += train_cfg["global_batch"]
-        loss = share.detach().clone()
-        dist.all_reduce(loss)
-        pending.append((step, loss))
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf if grad_clip is None else grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss = share.detach().clone()
+    dist.all_reduce(loss)
+    return loss, grad_norm
 
-        if step % train_cfg["log_interval"] == 0 or step == steps:
-            for s, value in pending:
-                losses[s] = value.item()
-            pending.clear()
-            now = time.perf_counter()
-            elapsed = (now - last_time) / (step - last_step)
-            record = {"step": step, "loss": losses[step], "lr": lr,
-                      "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
-                      "tokens_per_s": global_tokens / elapsed,
-                      "tflops_per_device": flops_per_step / world / elapsed / 1e12,
-                      "mfu": flops_per_step / world / elapsed / peak if peak else None,
-                      "peak_mem_gib": metrics.peak_memory_gib(device)}
-            last_time, last_step = now, step
-            if rank == 0:
-                progress.update(step, record)
-                if metrics_path:
-                    with open(metrics_path, "a") as f:
-                        f.write(json.dumps(record) + "\n")
-        if ckpt_dir and (step % train_cfg["checkpoint_interval"] == 0 or step == steps):
-            saving = time.perf_counter()
-            checkpoint.save(ckpt_dir, step, model, optimizer, position, device, train_cfg["checkpoint_keep"])
-            last_time += time.perf_counter() - saving  # throughput counts training, not saving
-    return losses
+
+class Log:
+    """Losses of the steps run, a progress line and a metrics.jsonl record every log interval.
+    Reading a loss syncs with the device, so losses are read only when checked: at each log line
+    and before each checkpoint; a NaN or infinite one raises NonFiniteLoss, on every rank alike
+    (the loss is all-reduced)."""
+
+    def __init__(self, run, start):
+        train = run.job.train
+        self.run, self.losses, self.pending = run, {}, []
+        self.global_tokens = train.global_batch * train.seq_len
+        self.flops_per_step = run.settings.model.flops_per_token(train.seq_len) * self.global_tokens
+        self.peak = metrics.peak_flops(run.device)
+        rank0 = dist.get_rank() == 0
+        self.progress = metrics.Progress(train.steps) if rank0 else None
+        self.path = Path(run.job.run_dir) / "metrics.jsonl" if run.job.run_dir and rank0 else None
+        self.last_time, self.last_step = time.perf_counter(), start
+
+    def step(self, step, loss):
+        """Keep step ``step``'s global loss (a device tensor) until the next check."""
+        self.pending.append((step, loss))
+
+    def exclude(self, seconds):
+        """Leave ``seconds`` (a checkpoint save) out of the throughput."""
+        self.last_time += seconds
+
+    def check(self):
+        """Read the pending losses; raise NonFiniteLoss at the first that is not finite."""
+        for step, loss in self.pending:
+            value = loss.item()
+            if not math.isfinite(value):
+                raise NonFiniteLoss(f"loss is {value} at step {step}: the run stops here and writes no checkpoint; "
+                                    f"resume from the last checkpoint (train.resume=true), e.g. with a lower train.lr")
+            self.losses[step] = value
+        self.pending.clear()
+
+    def write(self, step, lr, grad_norm):
+        """Check the pending losses, then the progress line and metrics record of ``step``."""
+        self.check()
+        now = time.perf_counter()
+        elapsed = (now - self.last_time) / (step - self.last_step)
+        world = dist.get_world_size()
+        record = {"step": step, "loss": self.losses[step], "lr": lr,
+                  "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+                  "tokens_per_s": self.global_tokens / elapsed,
+                  "tflops_per_device": self.flops_per_step / world / elapsed / 1e12,
+                  "mfu": self.flops_per_step / world / elapsed / self.peak if self.peak else None,
+                  "peak_mem_gib": metrics.peak_memory_gib(self.run.device)}
+        self.last_time, self.last_step = now, step
+        if self.progress:
+            self.progress.update(step, record)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def resume(run):
+    """(step, data position) of the newest checkpoint that passes its check, loaded into the run;
+    (0, 0) without one."""
+    train = run.job.train
+    if not train.resume:
+        return 0, 0
+    step = checkpoint.newest_valid(train.checkpoint_dir, say)
+    if step is None:
+        return 0, 0
+    return checkpoint.load(train.checkpoint_dir, step, run.model, run.optimizer, run.device)
+
+
+def save(run, step, position):
+    train = run.job.train
+    checkpoint.save(train.checkpoint_dir, step, run.model, run.optimizer, position, run.device,
+                    train.checkpoint_keep)
+
+
+def describe(run, start):
+    settings, train = run.settings, run.job.train
+    say(f"{dist.get_world_size()} rank(s) on {run.device.type}, dp_shard={settings.dp_shard} x cp={settings.cp} "
+        f"({settings.layout}, backend {run.backend}), model {run.job.model.name} with "
+        f"{sum(p.numel() for p in run.model.parameters()) / 1e6:.1f}M parameters, "
+        f"seq_len={train.seq_len}, global batch {train.global_batch} x {train.seq_len} tokens"
+        + (f", resumed at step {start}" if start else ""))
+    if train.warmup_steps is None and train.warmup != config.TrainConfig().warmup:
+        say(f"warmup scaled to {train.warmup} step(s), a tenth of train.steps={train.steps} "
+            f"(set train.warmup_steps to choose)")
+
+
+def fit(run):
+    """Train from the newest good checkpoint (or step 1) to train.steps; returns {step: loss}."""
+    train = run.job.train
+    torch.manual_seed(train.seed + dist.get_rank())  # a resumed run restores the saved generators
+    start, position = resume(run)
+    describe(run, start)
+    log = Log(run, start)
+    for step in range(start + 1, train.steps + 1):
+        lr = lr_at(step, train)
+        for group in run.optimizer.param_groups:
+            group["lr"] = lr
+        loss, grad_norm = train_step(run.model, run.optimizer, make_batch(run, position), log.global_tokens,
+                                     train.grad_clip)
+        position += train.global_batch
+        log.step(step, loss)
+        if step % train.log_interval == 0 or step == train.steps:
+            log.write(step, lr, grad_norm)
+        if train.checkpoint_dir and (step % train.checkpoint_interval == 0 or step == train.steps):
+            log.check()  # a non-finite loss stops the run before it writes a checkpoint
+            began = time.perf_counter()
+            save(run, step, position)
+            log.exclude(time.perf_counter() - began)
+    return log.losses
+
+
+def train(job, rank, world_size, local_rank):
+    """Run the training described by ``job`` (a config.JobConfig) as ``rank``; the process group
+    must not be initialised yet. Returns {step: global loss} of the steps run."""
+    with launch.process_group(config.device_type(job.train), rank, world_size, local_rank) as device:
+        return fit(build(job, device))
