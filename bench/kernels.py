@@ -1,33 +1,49 @@
-"""Forward attention kernels side by side in one process on one GPU: ringfa4 (backend "cute")
-vs upstream FA4 (flash_attn.cute) vs cuDNN SDPA, plus the on/off table of our techniques.
-Backward rows (direction "bwd", hdim 128, FLOPs 2.5x forward) time the same three backward
-passes from the same (out, lse), plus ringfa4 and FA4 in deterministic mode.
+"""Attention side by side in one process on one GPU: ringfa4 vs upstream FA4 (flash_attn.cute)
+vs cuDNN SDPA, the implementations taking turns (bench/measure.py Timer), FLOPs from
+ringfa4.flops (4*b*sq*sk*h*d, halved for causal; backward 2.5x forward). Rows go to a temporary
+directory, --out-dir DIR, or with --record bench/results/; markdown tables are printed last.
+Nothing wrong is timed: each ringfa4 result is first checked against FA4's (or SDPA's on CPU).
+
+Kernel mode (default): the backends' entry points (``cute`` vs FA4's private forward/backward),
+bf16, 16 heads, 32k tokens per batch (batch = 32768 // seq), hdim 128 and 64. Forward rows also
+time a candidate configuration (CANDIDATE) and, at seq 8k, the techniques switched off one at a
+time (kernels_techniques.json); backward rows (direction "bwd", hdim 128) time the three backward
+passes from one (out, lse), plus ringfa4 and FA4 deterministic. 5 warm-up calls, then 2 rounds
+in which each makes back-to-back calls filling ~100 ms between CUDA events; best round kept.
+Rows: kernels.json.
 
     python bench/kernels.py --commit $(git rev-parse --short HEAD) [--quick] [--sass DIR] [--record]
 
-bf16, 16 heads, 32k tokens per batch (batch = 32768 // seq), FLOPs from ringfa4.flops
-(4*b*s*s*h*d, halved for causal; backward 2.5x). The implementations of a row take turns
-(bench/measure.py Timer): 5 warm-up calls, then 2 rounds in which each makes back-to-back calls
-filling ~100 ms between CUDA events; each keeps its best round. Forward rows also time a
-candidate configuration (CANDIDATE). Rows go to kernels.json (and kernels_techniques.json) in a
-temporary directory, --out-dir DIR, or with --record bench/results/; markdown tables are printed
-last. Each ringfa4 timing is preceded by a check that its output matches FA4's, so nothing wrong
-is timed.
+User mode: what a user calls. ``ringfa4.attention(q, k, v, causal, backend="cute")`` vs
+``flash_attn.cute.flash_attn_func`` vs SDPA on cuDNN (k/v heads repeated before timing), forward
+(under no_grad) and forward + backward (autograd, torch.autograd.grad with a random dout), plus
+ringfa4's backward alone, default and deterministic, from one (out, lse) (det/default = default
+time / deterministic time). Fresh random bf16 inputs per shape. Shapes: seq 1k..32k at 32k tokens
+per batch, causal and not, hdim 128 and 64, heads 16/16 and 32/8; ring-step shapes at batch 1,
+32/8 heads, hdim 128 (RING_STEPS). 2 warm-up calls, then 3 rounds of turns filling ~25 ms each,
+best round kept. Rows: kernels_user.json; ``--smoke`` runs it on CPU (torch backend, float32,
+tiny shapes) to prove the script, not to measure.
+
+    python bench/kernels.py --mode user --commit $(git rev-parse --short HEAD) [--out-dir DIR]
 """
+import math
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import ringfa4  # noqa: E402
 import ringfa4.backends.cute as cute_backend  # noqa: E402
 import ringfa4.backends.fa4 as fa4_backend  # noqa: E402
 from bench import measure  # noqa: E402
-from ringfa4 import flops  # noqa: E402
+from ringfa4 import backends, flops  # noqa: E402
 from ringfa4.kernels import compile as kc  # noqa: E402
 
 HEADS = 16
@@ -105,13 +121,13 @@ def kernel_table(args, meta, rows):
                 del q, k, v, out, lse, fns
 
 
-def check_bwd_against_fa4(ours, ref):
-    diff = max((a.float() - r.float()).abs().max().item() for a, r in zip(ours, ref))
+def check_close(what, ours, ref):
+    """Max |difference| of matching tensors, after checking it is bf16 rounding of the largest value."""
+    diff = max((a.float() - r.float()).abs().max().item() for a, r in zip(ours, ref, strict=True))
     scale = max(r.float().abs().max().item() for r in ref)
-    # Two bf16 kernels on the same inputs: differences stay at bf16 rounding of the gradients.
+    # Two bf16 kernels on the same inputs: differences stay at bf16 rounding of the results.
     if not diff <= 2e-2 * scale:
-        raise RuntimeError(f"ringfa4 backward disagrees with FA4: max |diff|={diff:.3e}, "
-                           f"max |grad|={scale:.3e}")
+        raise RuntimeError(f"{what}: max |diff|={diff:.3e}, max |ref|={scale:.3e}")
     return diff
 
 
@@ -135,7 +151,8 @@ def bwd_table(args, meta, rows, d=128):
                                        causal=causal, deterministic=det)[:3]
 
             ref = fa4(False)
-            diff = max(check_bwd_against_fa4(ours(det), ref) for det in (False, True))
+            diff = max(check_close(f"ringfa4 backward (deterministic={det}) vs FA4", ours(det), ref)
+                       for det in (False, True))
             leaves = [t.detach().requires_grad_() for t in measure.sdpa_layout(q, k, v)]
             o = measure.sdpa(*leaves, causal)
             dot = dout.transpose(1, 2)
@@ -250,19 +267,237 @@ def markdown(rows, techniques, meta):
     return "\n".join(out)
 
 
-def main():
+# ---------------------------------------------------------------- user level (--mode user)
+
+# Ring-step shapes, batch 1, 32/8 heads, hdim 128: a rank's steps at W = 32 (2k x 4k and 4k x 2k
+# blocks) and W = 8 with 128k tokens (8k x 16k, 16k x 8k), and the causal diagonal blocks.
+RING_STEPS = ((2048, 4096, False), (4096, 2048, False), (8192, 16384, False), (16384, 8192, False),
+              (2048, 2048, True), (4096, 4096, True))
+USER_HEADS = ((16, 16), (32, 8))
+# --smoke: the same grid and ring-step walk at CPU sizes.
+SMOKE = dict(tokens=128, seqs=(32, 64), heads=((2, 2), (4, 2)), hdims=(16,),
+             steps=((32, 64, False), (64, 32, False), (32, 32, True)), step_heads=(4, 2))
+PASSES = {"fwd": "fwd", "fwd_bwd": "fwd+bwd", "bwd": "bwd"}  # row prefix -> ringfa4.flops direction
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: str  # "grid" or "ring-step"
+    batch: int
+    seq_q: int
+    seq_k: int
+    heads: int
+    kv_heads: int
+    hdim: int
+    causal: bool
+
+    def flops(self, prefix):
+        return flops.attention(self.batch, self.seq_q, self.seq_k, self.heads, self.hdim, self.causal,
+                               PASSES[prefix])
+
+
+def user_cases(smoke, hdims):
+    """Ring-step shapes first, then the grid by head dim: a run cut short keeps the first ones."""
+    if smoke:
+        tokens, seqs, heads, hdims, steps, step_heads = (SMOKE[k] for k in
+                                                         ("tokens", "seqs", "heads", "hdims", "steps", "step_heads"))
+    else:
+        tokens, seqs, heads, steps, step_heads = TOKENS, SEQS, USER_HEADS, RING_STEPS, USER_HEADS[1]
+    cases = [Case("ring-step", 1, sq, sk, *step_heads, max(hdims), causal) for sq, sk, causal in steps]
+    cases += [Case("grid", tokens // seq, seq, seq, h, hk, d, causal)
+              for d in hdims for h, hk in heads for causal in (False, True) for seq in seqs]
+    return cases
+
+
+class Contender:
+    """One attention as a user calls it: ``attn`` maps ``leaves`` to out; ``to_qkv`` maps (out,
+    grads) back to ringfa4's (b, s, h, d) layout and k/v heads, for the correctness check."""
+
+    def __init__(self, attn, leaves, dout, to_qkv=lambda out, grads: (out, *grads)):
+        self.attn, self.leaves, self.dout, self.to_qkv = attn, leaves, dout, to_qkv
+
+    def forward(self):
+        with torch.no_grad():
+            return self.attn(*self.leaves)
+
+    def forward_backward(self):
+        out = self.attn(*self.leaves)
+        return out, torch.autograd.grad(out, self.leaves, self.dout)
+
+    def results(self):
+        return self.to_qkv(*self.forward_backward())
+
+
+def sdpa_contender(q, k, v, dout, causal):
+    """cuDNN SDPA on (b, h, s, d) views, k/v heads repeated before timing; its k/v gradients are
+    summed back over the repeats for the check."""
+    group = q.shape[2] // k.shape[2]
+    leaves = [t.detach().requires_grad_() for t in measure.sdpa_layout(q, k, v)]
+
+    def to_qkv(out, grads):
+        dq, dk, dv = (g.transpose(1, 2) for g in grads)
+        b, s, h, d = dk.shape
+        return (out.transpose(1, 2), dq, *(g.reshape(b, s, h // group, group, d).sum(3) for g in (dk, dv)))
+
+    return Contender(lambda *qkv: measure.sdpa(*qkv, causal), leaves, dout.transpose(1, 2), to_qkv)
+
+
+def user_contenders(q, k, v, dout, causal, backend):
+    """({name: Contender}, {name: why it cannot run}): ringfa4's public API, FA4's autograd
+    function, cuDNN SDPA. A comparator that fails is reported in the row, never ringfa4."""
+    fresh = lambda: [t.detach().clone().requires_grad_() for t in (q, k, v)]  # noqa: E731
+    found = dict(ringfa4=Contender(lambda *qkv: ringfa4.attention(*qkv, causal=causal, backend=backend)[0],
+                                   fresh(), dout))
+    errors = {}
+    reason = fa4_backend.unsupported_reason(q, k, v, causal, True)
+    if reason is None:
+        found["fa4"] = Contender(lambda *qkv: measure.fa4_attention(*qkv, causal), fresh(), dout)
+    else:
+        errors["fa4"] = reason
+    found["sdpa"] = sdpa_contender(q, k, v, dout, causal)
+    return found, errors
+
+
+def checked_results(found, errors):
+    """{name: max |diff| vs ringfa4 of out, dq, dk, dv}; drops (into ``errors``) a comparator that raises."""
+    ours = found["ringfa4"].results()
+    diffs = {}
+    for name in [n for n in found if n != "ringfa4"]:
+        try:
+            theirs = found[name].results()
+        except Exception as e:  # reported in the row and the table
+            errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            del found[name]
+            continue
+        diffs[name] = check_close(f"ringfa4 vs {name} (out, dq, dk, dv)", ours, theirs)
+    return diffs
+
+
+def backward_fns(q, k, v, dout, causal, backend):
+    """ringfa4's backward alone, default and deterministic, from one (out, lse), both checked."""
+    module, scale = backends.get(backend), q.shape[-1] ** -0.5
+    out, lse = module.forward(q, k, v, causal, scale)
+
+    def bwd(det):
+        return module.backward(dout, q, k, v, out, lse, causal, scale, deterministic=det)
+
+    check_close("ringfa4 deterministic backward vs default", bwd(True), bwd(False))
+    return {("bwd", "ringfa4"): lambda: bwd(False), ("bwd", "ringfa4_det"): lambda: bwd(True)}
+
+
+def user_row(case, args, meta, timer, device, dtype, seed):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q, dout = (torch.randn(case.batch, case.seq_q, case.heads, case.hdim, device=device, dtype=dtype, generator=gen)
+               for _ in range(2))
+    k, v = (torch.randn(case.batch, case.seq_k, case.kv_heads, case.hdim, device=device, dtype=dtype, generator=gen)
+            for _ in range(2))
+    found, errors = user_contenders(q, k, v, dout, case.causal, args.backend)
+    diffs = checked_results(found, errors)
+    fns = {("fwd", n): c.forward for n, c in found.items()}
+    fns |= {("fwd_bwd", n): c.forward_backward for n, c in found.items()}
+    fns |= backward_fns(q, k, v, dout, case.causal, args.backend)
+    row = dict(meta, mode="user", **vars(case), dtype=str(dtype).split(".")[-1], backend=args.backend)
+    for (prefix, name), ms in zip(fns, timer(*fns.values())):
+        row[f"{prefix}_{name}_ms"] = round(ms, 4)
+        row[f"{prefix}_{name}_tflops"] = float(f"{flops.tflops(case.flops(prefix), ms):.4g}")
+    row["det_vs_default"] = round(row["bwd_ringfa4_ms"] / row["bwd_ringfa4_det_ms"], 3)
+    row["max_abs_diff_vs"] = {n: float(f"{d:.3g}") for n, d in diffs.items()}
+    row.update({f"{n}_error": e for n, e in errors.items()})
+    return row
+
+
+def user_table(args, meta, rows):
+    device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
+    if args.smoke:
+        torch.set_num_threads(1)  # tiny shapes: threads only contend
+    timer = measure.Timer(device, rounds=args.rounds, warmup=args.warmup, turn_ms=args.turn_ms, reduce="min")
+    cases = user_cases(args.smoke, tuple(int(d) for d in args.hdims.split(",")))
+    start = time.perf_counter()
+    for i, case in enumerate(cases):
+        print(f"[{i + 1}/{len(cases)}, {time.perf_counter() - start:.0f} s] {case}", flush=True)
+        rows.add(user_row(case, args, meta, timer, device, dtype, seed=i))
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _ratio(row, prefix, a, b):
+    """Speed of a over b (same FLOPs): b's time / a's; None where b did not run."""
+    x, y = row.get(f"{prefix}_{a}_ms"), row.get(f"{prefix}_{b}_ms")
+    return None if x is None or y is None else y / x
+
+
+def _geomean(values):
+    values = [x for x in values if x is not None]
+    return f"{math.exp(sum(map(math.log, values)) / len(values)):.3f} (min {min(values):.2f})" if values else "-"
+
+
+def user_markdown(rows, meta):
+    sdpa = "cuDNN" if meta["device"] != "cpu" else "SDPA (CPU)"
+    fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    out = [f"User level ({rows[0]['backend'] if rows else '-'} via ringfa4.attention), {meta['device']}, "
+           f"commit {meta['commit']}: TFLOP/s, best of rounds; fwd under no_grad, fwd+bwd through autograd; "
+           "det/default = ringfa4 backward alone, default time / deterministic time.", "",
+           f"| shape | batch | q x kv | heads | hdim | causal | fwd ringfa4 | fwd FA4 | fwd {sdpa} | fwd /FA4 "
+           f"| fwd+bwd ringfa4 | fwd+bwd FA4 | fwd+bwd {sdpa} | fwd+bwd /FA4 | fwd+bwd /{sdpa} | det/default |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [r["shape"], r["batch"], f"{r['seq_q']} x {r['seq_k']}", f"{r['heads']}/{r['kv_heads']}", r["hdim"],
+                 r["causal"]]
+        cells += [r.get(f"fwd_{n}_tflops", "-") for n in ("ringfa4", "fa4", "sdpa")]
+        cells += [fmt(_ratio(r, "fwd", "ringfa4", "fa4"))]
+        cells += [r.get(f"fwd_bwd_{n}_tflops", "-") for n in ("ringfa4", "fa4", "sdpa")]
+        cells += [fmt(_ratio(r, "fwd_bwd", "ringfa4", n)) for n in ("fa4", "sdpa")] + [f"{r['det_vs_default']:.2f}"]
+        out.append("| " + " | ".join(str(c) for c in cells) + " |")
+    out.append("")
+    for shape in ("grid", "ring-step"):
+        mine = [r for r in rows if r["shape"] == shape]
+        out.append(f"{shape}: geometric mean ringfa4/FA4 fwd {_geomean(_ratio(r, 'fwd', 'ringfa4', 'fa4') for r in mine)}, "
+                   f"fwd+bwd {_geomean(_ratio(r, 'fwd_bwd', 'ringfa4', 'fa4') for r in mine)}; ringfa4/{sdpa} fwd+bwd "
+                   f"{_geomean(_ratio(r, 'fwd_bwd', 'ringfa4', 'sdpa') for r in mine)}; det/default "
+                   f"{_geomean(r['det_vs_default'] for r in mine)}")
+    errors = sorted({f"{k}: {v}" for r in rows for k, v in r.items() if k.endswith("_error")})
+    return "\n".join(out + [f"not compared: {e}" for e in errors])
+
+
+def parse_args():
     p = measure.parser(__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="seq 1k..4k only")
-    p.add_argument("--no-techniques", action="store_true")
-    p.add_argument("--sass", metavar="DIR", help="also report registers/spills and SASS HGMMA")
-    p.add_argument("--direction", choices=("fwd", "bwd", "both"), default="both")
+    p.add_argument("--mode", choices=("kernel", "user"), default="kernel",
+                   help="kernel: the backends' entry points; user: ringfa4.attention vs flash_attn_func vs SDPA")
+    p.add_argument("--quick", action="store_true", help="kernel mode: seq 1k..4k only")
+    p.add_argument("--no-techniques", action="store_true", help="kernel mode: skip the technique on/off rows")
+    p.add_argument("--sass", metavar="DIR", help="kernel mode: also report registers/spills and SASS HGMMA")
+    p.add_argument("--direction", choices=("fwd", "bwd", "both"), default="both", help="kernel mode")
+    p.add_argument("--smoke", action="store_true", help="user mode on CPU: tiny shapes, torch backend, float32")
+    p.add_argument("--backend", default=None, help="user mode: ringfa4 backend (default cute, torch with --smoke)")
+    p.add_argument("--hdims", default="128,64", help="user mode: head dims of the grid")
+    p.add_argument("--rounds", type=int, default=None, help="user mode: timed rounds, best kept (default 3, 1 smoke)")
+    p.add_argument("--warmup", type=int, default=None, help="user mode: warm-up calls of each (default 2, 1 smoke)")
+    p.add_argument("--turn-ms", type=float, default=None,
+                   help="user mode: back-to-back calls fill this per turn (default 25, 1 smoke)")
     args = p.parse_args()
-    measure.check_output_args(p, args, smoke=False)
-    reason = fa4_backend.unsupported_reason(*inputs(128, 128)[:3], False, False)
-    if reason:
-        sys.exit(f"FA4 anchor unavailable: {reason}")
-    meta = measure.metadata("cuda", args.commit)
+    if args.smoke and args.mode != "user":
+        p.error("--smoke runs the user mode only (--mode user)")
+    for name, full, smoke in (("backend", "cute", "torch"), ("rounds", 3, 1), ("warmup", 2, 1), ("turn_ms", 25.0, 1.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, smoke if args.smoke else full)
+    measure.check_output_args(p, args, args.smoke)
+    return args
+
+
+def main():
+    args = parse_args()
+    if not args.smoke:
+        reason = fa4_backend.unsupported_reason(*inputs(128, 128)[:3], False, True)
+        if reason:
+            sys.exit(f"FA4 anchor unavailable: {reason}")
+    meta = measure.metadata("cpu" if args.smoke else "cuda", args.commit)
     out_dir = measure.output_dir(args)
+    if args.mode == "user":
+        rows = measure.Rows(out_dir / "kernels_user.json")
+        user_table(args, meta, rows)
+        print(user_markdown(rows, meta))
+        print(f"wrote {rows.path}")
+        return
     rows, techniques = measure.Rows(out_dir / "kernels.json"), measure.Rows(out_dir / "kernels_techniques.json")
     if args.direction != "bwd":
         kernel_table(args, meta, rows)

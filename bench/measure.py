@@ -55,6 +55,7 @@ class Timer:
             raise ValueError("turn_ms needs warmup >= 1 and no process group (ranks must make the same calls)")
         self.device, self.rounds, self.warmup, self.iters = torch.device(device), rounds, warmup, iters
         self.turn_ms, self.reduce, self.group = turn_ms, reduce, group
+        self.calls = []  # per fn of the last call: calls per timed turn
         self.mallocs = []  # per fn of the last call: cudaMalloc calls in its timed turns (warm-up excluded)
 
     def __call__(self, *fns):
@@ -62,10 +63,10 @@ class Timer:
         last = [math.inf] * len(fns)
         for _ in range(self.warmup):
             last = [self._turn(fn, 1) for fn in fns]
-        iters = [self.iters if self.turn_ms is None else max(self.iters, math.ceil(self.turn_ms / max(ms, 1e-3)))
-                 for ms in last]
+        self.calls = [self.iters if self.turn_ms is None else max(self.iters, math.ceil(self.turn_ms / max(ms, 1e-3)))
+                      for ms in last]
         self.mallocs = [0] * len(fns)
-        ms = [[self._turn(fn, n, i) for i, (fn, n) in enumerate(zip(fns, iters))] for _ in range(self.rounds)]
+        ms = [[self._turn(fn, n, i) for i, (fn, n) in enumerate(zip(fns, self.calls))] for _ in range(self.rounds)]
         if self.group is not None:
             worst = torch.tensor(ms, dtype=torch.float64, device=self.device)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.group)

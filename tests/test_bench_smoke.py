@@ -1,0 +1,57 @@
+"""The bench scripts' CPU smoke runs: they run end to end, write their rows where they say, and
+never touch the recorded rows in bench/results/."""
+import hashlib
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def _recorded():
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(RESULTS.glob("*.json"))}
+
+
+def _run(argv):
+    before = _recorded()
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _recorded() == before, "a smoke run changed bench/results/*.json"
+    written = Path(re.search(r"^wrote (.+)$", proc.stdout, re.M).group(1))
+    assert RESULTS.resolve() not in written.resolve().parents
+    return proc.stdout, json.loads(written.read_text())
+
+
+def test_kernels_user_smoke_measures_every_case_outside_the_recorded_results():
+    stdout, rows = _run([sys.executable, "bench/kernels.py", "--mode", "user", "--smoke", "--rounds", "1",
+                         "--warmup", "1", "--turn-ms", "1", "--commit", "test"])
+    shapes = [(r["shape"], r["seq_q"], r["seq_k"], r["heads"], r["kv_heads"], r["causal"]) for r in rows]
+    # 3 ring-step shapes, then 2 seqs x 2 head pairs x causal and not
+    assert len(shapes) == len(set(shapes)) == 3 + 2 * 2 * 2
+    assert {s[0] for s in shapes[:3]} == {"ring-step"} and {s[0] for s in shapes[3:]} == {"grid"}
+    for r in rows:
+        assert r["commit"] == "test" and r["device"] == "cpu" and r["backend"] == "torch"
+        for key in ("fwd_ringfa4", "fwd_sdpa", "fwd_bwd_ringfa4", "fwd_bwd_sdpa", "bwd_ringfa4", "bwd_ringfa4_det"):
+            assert r[f"{key}_ms"] > 0 and r[f"{key}_tflops"] > 0, key
+        assert r["det_vs_default"] > 0 and r["max_abs_diff_vs"]["sdpa"] < 1e-4
+        assert "direction" not in r  # the planner reads kernel rows by "direction"; these are not those
+        assert r["fa4_error"].startswith("fa4 runs on CUDA tensors only")
+    assert "| shape | batch | q x kv |" in stdout and "grid: geometric mean" in stdout
+
+
+def test_ring_smoke_writes_its_rows_outside_the_recorded_results():
+    pytest.importorskip("torch.distributed.run")
+    _, rows = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "bench/ring.py", "--smoke"])
+    assert len(rows) == 4 and all(r["max_abs_diff_vs_single"] < 1e-4 for r in rows)
+
+
+@pytest.mark.parametrize("script", ["bench/kernels.py --mode user", "bench/ring.py"])
+def test_a_smoke_run_refuses_to_record(script):
+    proc = subprocess.run([sys.executable, *script.split(), "--smoke", "--record"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "--record writes the recorded rows of a full run" in proc.stderr
