@@ -273,10 +273,11 @@ def markdown(rows, techniques, meta):
 # blocks) and W = 8 with 128k tokens (8k x 16k, 16k x 8k), and the causal diagonal blocks.
 RING_STEPS = ((2048, 4096, False), (4096, 2048, False), (8192, 16384, False), (16384, 8192, False),
               (2048, 2048, True), (4096, 4096, True))
-USER_HEADS = ((16, 16), (32, 8))
-# --smoke: the same grid and ring-step walk at CPU sizes.
-SMOKE = dict(tokens=128, seqs=(32, 64), heads=((2, 2), (4, 2)), hdims=(16,),
-             steps=((32, 64, False), (64, 32, False), (32, 32, True)), step_heads=(4, 2))
+USER_SIZES = dict(tokens=TOKENS, seqs=SEQS, heads=((16, 16), (32, 8)), steps=RING_STEPS, step_heads=(32, 8),
+                  step_hdim=128)
+# --smoke: the same walk at CPU sizes.
+SMOKE_SIZES = dict(tokens=128, seqs=(32, 64), heads=((2, 2), (4, 2)), steps=((32, 64, False), (64, 32, False),
+                   (32, 32, True)), step_heads=(4, 2), step_hdim=16)
 PASSES = {"fwd": "fwd", "fwd_bwd": "fwd+bwd", "bwd": "bwd"}  # row prefix -> ringfa4.flops direction
 
 
@@ -296,16 +297,15 @@ class Case:
                                PASSES[prefix])
 
 
-def user_cases(smoke, hdims):
+def user_cases(sizes, shapes, hdims):
     """Ring-step shapes first, then the grid by head dim: a run cut short keeps the first ones."""
-    if smoke:
-        tokens, seqs, heads, hdims, steps, step_heads = (SMOKE[k] for k in
-                                                         ("tokens", "seqs", "heads", "hdims", "steps", "step_heads"))
-    else:
-        tokens, seqs, heads, steps, step_heads = TOKENS, SEQS, USER_HEADS, RING_STEPS, USER_HEADS[1]
-    cases = [Case("ring-step", 1, sq, sk, *step_heads, max(hdims), causal) for sq, sk, causal in steps]
-    cases += [Case("grid", tokens // seq, seq, seq, h, hk, d, causal)
-              for d in hdims for h, hk in heads for causal in (False, True) for seq in seqs]
+    cases = []
+    if "ring-step" in shapes:
+        cases += [Case("ring-step", 1, sq, sk, *sizes["step_heads"], sizes["step_hdim"], causal)
+                  for sq, sk, causal in sizes["steps"]]
+    if "grid" in shapes:
+        cases += [Case("grid", sizes["tokens"] // seq, seq, seq, h, hk, d, causal)
+                  for d in hdims for h, hk in sizes["heads"] for causal in (False, True) for seq in sizes["seqs"]]
     return cases
 
 
@@ -411,7 +411,8 @@ def user_table(args, meta, rows):
     if args.smoke:
         torch.set_num_threads(1)  # tiny shapes: threads only contend
     timer = measure.Timer(device, rounds=args.rounds, warmup=args.warmup, turn_ms=args.turn_ms, reduce="min")
-    cases = user_cases(args.smoke, tuple(int(d) for d in args.hdims.split(",")))
+    cases = user_cases(SMOKE_SIZES if args.smoke else USER_SIZES, args.shapes.split(","),
+                       [int(d) for d in args.hdims.split(",")])
     start = time.perf_counter()
     for i, case in enumerate(cases):
         print(f"[{i + 1}/{len(cases)}, {time.perf_counter() - start:.0f} s] {case}", flush=True)
@@ -451,6 +452,8 @@ def user_markdown(rows, meta):
     out.append("")
     for shape in ("grid", "ring-step"):
         mine = [r for r in rows if r["shape"] == shape]
+        if not mine:
+            continue
         out.append(f"{shape}: geometric mean ringfa4/FA4 fwd {_geomean(_ratio(r, 'fwd', 'ringfa4', 'fa4') for r in mine)}, "
                    f"fwd+bwd {_geomean(_ratio(r, 'fwd_bwd', 'ringfa4', 'fa4') for r in mine)}; ringfa4/{sdpa} fwd+bwd "
                    f"{_geomean(_ratio(r, 'fwd_bwd', 'ringfa4', 'sdpa') for r in mine)}; det/default "
@@ -469,7 +472,8 @@ def parse_args():
     p.add_argument("--direction", choices=("fwd", "bwd", "both"), default="both", help="kernel mode")
     p.add_argument("--smoke", action="store_true", help="user mode on CPU: tiny shapes, torch backend, float32")
     p.add_argument("--backend", default=None, help="user mode: ringfa4 backend (default cute, torch with --smoke)")
-    p.add_argument("--hdims", default="128,64", help="user mode: head dims of the grid")
+    p.add_argument("--shapes", default="ring-step,grid", help="user mode: which shape lists to run")
+    p.add_argument("--hdims", default=None, help="user mode: head dims of the grid (default 128,64; 16 smoke)")
     p.add_argument("--rounds", type=int, default=None, help="user mode: timed rounds, best kept (default 3, 1 smoke)")
     p.add_argument("--warmup", type=int, default=None, help="user mode: warm-up calls of each (default 2, 1 smoke)")
     p.add_argument("--turn-ms", type=float, default=None,
@@ -477,9 +481,15 @@ def parse_args():
     args = p.parse_args()
     if args.smoke and args.mode != "user":
         p.error("--smoke runs the user mode only (--mode user)")
-    for name, full, smoke in (("backend", "cute", "torch"), ("rounds", 3, 1), ("warmup", 2, 1), ("turn_ms", 25.0, 1.0)):
+    defaults = (("backend", "cute", "torch"), ("hdims", "128,64", "16"), ("rounds", 3, 1), ("warmup", 2, 1),
+                ("turn_ms", 25.0, 1.0))
+    for name, full, smoke in defaults:
         if getattr(args, name) is None:
             setattr(args, name, smoke if args.smoke else full)
+    if not set(args.shapes.split(",")) <= {"ring-step", "grid"}:
+        p.error(f"--shapes must be a comma list of ring-step and grid, got {args.shapes!r}")
+    if not all(d.isdigit() for d in args.hdims.split(",")):
+        p.error(f"--hdims must be a comma list of head dims, got {args.hdims!r}")
     measure.check_output_args(p, args, args.smoke)
     return args
 
