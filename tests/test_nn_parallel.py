@@ -64,17 +64,17 @@ def assert_same_step(args, dp_shard, cp, layout, recompute):
         assert err <= 1e-5 * ref.abs().max().item(), f"{name}: max error {err:.3e}"
 
 
-def test_cp2_step_matches_one_process_zigzag_tied_gqa_with_recompute():
+def test_cp2_step_matches_one_process_zigzag_tied_gqa_with_selective_recompute():
     args = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, rope_theta=10000.0,
                      tie_embeddings=True)
-    assert_same_step(args, dp_shard=1, cp=2, layout="zigzag", recompute=True)
+    assert_same_step(args, dp_shard=1, cp=2, layout="zigzag", recompute="selective")
 
 
 def test_dp2_x_cp2_step_matches_one_process_contiguous_untied_mqa_uneven_shards():
     # vocab 66 and ffn 50 rows do not split evenly over the 4 FSDP ranks.
     args = ModelArgs(vocab_size=66, dim=32, n_layers=2, n_heads=4, n_kv_heads=1, ffn_dim=50, rope_theta=10000.0,
                      tie_embeddings=False)
-    assert_same_step(args, dp_shard=2, cp=2, layout="contiguous", recompute=False)
+    assert_same_step(args, dp_shard=2, cp=2, layout="contiguous", recompute="none")
 
 
 @pytest.mark.parametrize("field,value,message", [

@@ -2,7 +2,7 @@
 import torch.distributed as dist
 from torch import nn
 
-import ringfa4
+from ringfa4.nn import ops
 
 
 class ContextParallelAttention(nn.Module):
@@ -23,11 +23,12 @@ class ContextParallelAttention(nn.Module):
         self.backend = backend
 
     def forward(self, q, k, v):
+        # Through the custom operators (ringfa4.nn.ops): one opaque call for torch.compile and for
+        # selective activation checkpointing, which keeps its outputs.
+        scale = q.shape[-1] ** -0.5
         if self.group is None or dist.get_world_size(self.group) == 1:
-            out, _ = ringfa4.attention(q, k, v, causal=self.causal, backend=self.backend)
-            return out
-        return ringfa4.ring_attention(q, k, v, causal=self.causal, group=self.group,
-                                      layout=self.layout, backend=self.backend)
+            return ops.attention(q, k, v, self.causal, scale, self.backend)[0]
+        return ops.ring_attention(q, k, v, self.causal, scale, self.group.group_name, self.layout, self.backend)[0]
 
     def extra_repr(self):
         cp = 1 if self.group is None else dist.get_world_size(self.group)

@@ -7,14 +7,17 @@ assumes its tokens are contiguous.
 import math
 import zlib
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
+from ringfa4.nn import ops
 from ringfa4.nn.attention import ContextParallelAttention
+from ringfa4.nn.loss import linear_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,13 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
+
+
+def _save_attention_only(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in ops.SAVED_BY_SELECTIVE_CHECKPOINTING else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 class Block(nn.Module):
     def __init__(self, args):
         super().__init__()
@@ -122,32 +132,32 @@ class Block(nn.Module):
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
-        # Set by parallelize: keep only the block input and recompute the rest in backward.
-        self.recompute = False
+        # Set by parallelize (one of ACTIVATION_CHECKPOINTING): what backward recomputes.
+        #   none       nothing, every activation is kept;
+        #   selective  everything but the attention, whose outputs (out, lse and the ring's last
+        #              KV block) are kept: the ring, its transfers included, runs once per step;
+        #   full       everything from the block input, the attention's ring included.
+        self.activation_checkpointing = "none"
 
     def forward(self, x, cos, sin):
-        if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
-        return self._forward(x, cos, sin)
+        if self.activation_checkpointing == "none" or not torch.is_grad_enabled():
+            return self._forward(x, cos, sin)
+        context_fn = noop_context_fn
+        if self.activation_checkpointing == "selective":
+            context_fn = partial(create_selective_checkpoint_contexts, _save_attention_only)
+        return checkpoint(self._forward, x, cos, sin, use_reentrant=False, context_fn=context_fn)
 
     def _forward(self, x, cos, sin):
         h = x + self.attention(self.attention_norm(x), cos, sin)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def _loss_sum(h, weight, labels):
-    logits = F.linear(h, weight)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
-
-
 class Transformer(nn.Module):
     """tokens (b, s) and their global positions (b, s) or (s,) -> logits (b, s, vocab), or with
     labels (b, s) the sum of their next-token losses (in fp32, or fp64 for an fp64 model).
 
-    The loss is computed ``loss_chunk`` tokens at a time and each chunk's logits are recomputed in
-    backward: at long context the full logits (tokens x vocab, in fp32 for the softmax) would
-    otherwise outweigh every other activation.
+    The loss is computed ``loss_chunk`` tokens at a time (ringfa4.nn.loss): at long context the
+    full logits (tokens x vocab, in fp32 for the softmax) would outweigh every other activation.
     """
 
     def __init__(self, args, loss_chunk=4096):
@@ -169,11 +179,7 @@ class Transformer(nn.Module):
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         if labels is None:
             return F.linear(h, weight)
-        total = h.new_zeros((), dtype=torch.promote_types(h.dtype, torch.float32))
-        for start in range(0, h.shape[1], self.loss_chunk):
-            chunk = slice(start, start + self.loss_chunk)
-            total = total + checkpoint(_loss_sum, h[:, chunk], weight, labels[:, chunk], use_reentrant=False)
-        return total
+        return linear_cross_entropy(h, weight, labels, self.loss_chunk)
 
     def attention_cores(self):
         return [layer.attention.core for layer in self.layers]

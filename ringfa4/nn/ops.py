@@ -1,0 +1,122 @@
+"""Attention as torch.library custom operators, for the model's attention cores.
+
+An operator is opaque to torch.compile (it neither traces into the ring's Python control flow
+and collectives nor breaks the graph around it: the fake implementations give it shapes) and a
+single dispatcher call to selective activation checkpointing, which can save its outputs and so
+never run the ring twice. The process group travels by name, a string that compile can guard
+on, and is looked up inside the operator.
+
+Each operator's backward is another operator that takes what the forward saved: out and lse, and
+for the ring the KV block the forward ended with, where the backward ring starts.
+"""
+import torch
+from torch import Tensor
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from ringfa4.api import _check_qkv, _choose_backend
+from ringfa4.ring import layout as ring_layout
+from ringfa4.ring.attention import ring_backward, ring_forward
+
+
+def _lse_dtype(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _backend_for(name, q, k, v, causal):
+    _check_qkv(q, k, v, causal)
+    return _choose_backend(name, q, k, v, causal)
+
+
+@torch.library.custom_op("ringfa4::attention", mutates_args=())
+def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float,
+              backend: str) -> tuple[Tensor, Tensor]:
+    """(out, lse) of attention on one device; see ringfa4.attention."""
+    return _backend_for(backend, q, k, v, causal).forward(q, k, v, causal, softmax_scale)
+
+
+@attention.register_fake
+def _(q, k, v, causal, softmax_scale, backend):
+    b, s, h, _ = q.shape
+    return torch.empty_like(q), q.new_empty((b, h, s), dtype=_lse_dtype(q))
+
+
+@torch.library.custom_op("ringfa4::attention_backward", mutates_args=())
+def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                       softmax_scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    module = _backend_for(backend, q, k, v, causal)
+    return tuple(module.backward(dout.contiguous(), q, k, v, out, lse, causal, softmax_scale))
+
+
+@attention_backward.register_fake
+def _(dout, q, k, v, out, lse, causal, softmax_scale, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, backend = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.args = (causal, softmax_scale, backend)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _attention_grad(ctx, dout, _dlse):
+    return attention_backward(dout, *ctx.saved_tensors, *ctx.args) + (None,) * 3
+
+
+attention.register_autograd(_attention_grad, setup_context=_attention_setup)
+
+
+@torch.library.custom_op("ringfa4::ring_attention", mutates_args=())
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float, group_name: str,
+                   layout: str, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, k_last, v_last) of ring attention over the process group ``group_name``; see
+    ringfa4.ring_attention. k_last, v_last are the KV block the forward ended with."""
+    group = _resolve_process_group(group_name)
+    rank, world = ring_layout.group_rank_world(group)
+    module = _backend_for(backend, q, k, v, causal)
+    ring_layout.check_layout(layout)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"ring attention needs q and k/v of the same local length, got {q.shape[1]} and {k.shape[1]}")
+    ring_layout.check_divisible(q.shape[1] * world, world, layout,
+                                name=f"global sequence length (q.shape[1] = {q.shape[1]} x {world} ranks)")
+    out, lse, (k_last, v_last) = ring_forward(module, q, k, v, causal, softmax_scale, group, rank, world, layout)
+    return out, lse, k_last, v_last
+
+
+@ring_attention.register_fake
+def _(q, k, v, causal, softmax_scale, group_name, layout, backend):
+    b, s, h, _ = q.shape
+    return (torch.empty_like(q), q.new_empty((b, h, s), dtype=_lse_dtype(q)),
+            torch.empty_like(k), torch.empty_like(v))
+
+
+@torch.library.custom_op("ringfa4::ring_attention_backward", mutates_args=())
+def ring_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                            k_last: Tensor, v_last: Tensor, causal: bool, softmax_scale: float, group_name: str,
+                            layout: str, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    group = _resolve_process_group(group_name)
+    rank, world = ring_layout.group_rank_world(group)
+    module = _backend_for(backend, q, k, v, causal)
+    return ring_backward(module, dout.contiguous(), q, k, v, out, lse, [k_last, v_last], causal, softmax_scale,
+                         group, rank, world, layout, False)
+
+
+@ring_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, k_last, v_last, causal, softmax_scale, group_name, layout, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _ring_setup(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, group_name, layout, backend = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.args = (causal, softmax_scale, group_name, layout, backend)
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _ring_grad(ctx, dout, _dlse, _dk_last, _dv_last):
+    return ring_attention_backward(dout, *ctx.saved_tensors, *ctx.args) + (None,) * 5
+
+
+ring_attention.register_autograd(_ring_grad, setup_context=_ring_setup)
+
+SAVED_BY_SELECTIVE_CHECKPOINTING = (torch.ops.ringfa4.attention.default, torch.ops.ringfa4.ring_attention.default)
