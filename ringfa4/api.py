@@ -7,6 +7,7 @@ import logging
 import torch
 
 from ringfa4 import backends
+from ringfa4.ring import agree, heads
 from ringfa4.ring import layout as ring_layout
 from ringfa4.ring.attention import RingAttention
 
@@ -98,12 +99,17 @@ def attention(q, k, v, causal=False, softmax_scale=None, backend="auto"):
     return _Attention.apply(q, k, v, _choose_backend(backend, q, k, v, causal), causal, scale)
 
 
-def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout="zigzag",
+def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, head_group=None, layout="zigzag",
                    backend="auto", deterministic=False, return_lse=False):
     """Attention over a sequence split across the ranks of ``group`` (this rank holds q, k, v of its part).
 
-    Local tensors are laid out as ``shard`` gives them for ``layout``; the result is this rank's rows
-    of the attention over the full sequence. Returns out, or (out, lse) with return_lse.
+    Local tensors are laid out as ``shard`` gives them for ``layout`` (and ``head_group``); the result
+    is this rank's rows of the attention over the full sequence. Returns out, or (out, lse) with return_lse.
+    ``head_group`` (U ranks, each in a different ring group of the same size): 2-D context
+    parallelism, an all-to-all over it trades sequence for heads around the ring over ``group``
+    (ringfa4.ring.heads); U must divide the query heads, and divide or be a multiple of the kv heads.
+    Before the first transfer the ranks check that they agree on every argument the ring depends on
+    (ringfa4.ring.agree): if not, every rank raises the same ValueError.
     Over NCCL, give the group high-priority streams (``ringfa4.nccl_options()``): at normal
     priority transfers can wait for whole kernels (a warning says so once per group).
     """
@@ -112,13 +118,22 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"ring attention needs q and k/v of the same local length, got {q.shape[1]} and {k.shape[1]}")
     rank, world = ring_layout.group_rank_world(group)
+    head_world = 1 if head_group is None else ring_layout.group_rank_world(head_group)[1]
+    heads.check_split(q.shape[2], k.shape[2], head_world)
     ring_layout.check_divisible(
-        q.shape[1] * world, world, layout, name=f"global sequence length (q.shape[1] = {q.shape[1]} x {world} ranks)"
+        q.shape[1] * head_world * world, world, layout, head_world=head_world,
+        name=f"global sequence length (q.shape[1] = {q.shape[1]} x {head_world * world} ranks)",
     )
     scale = _softmax_scale(softmax_scale, q.shape[-1])
     module = _choose_backend(backend, q, k, v, causal)
+    if world * head_world > 1:
+        agree.check(q, k, causal, layout, scale, deterministic, group, head_group)
+    if head_world > 1:
+        q, k, v = heads.qkv_to_heads(q, k, v, head_group)
     if world == 1:
         out, lse = _Attention.apply(q, k, v, module, causal, scale)
     else:
         out, lse = RingAttention.apply(q, k, v, module, causal, scale, group, rank, world, layout, bool(deterministic))
+    if head_world > 1:
+        out, lse = heads.out_to_seq(out, lse, head_group)
     return (out, lse) if return_lse else out

@@ -1,4 +1,5 @@
 """Run a function on W local processes joined by a gloo process group (CPU)."""
+import datetime
 import os
 import tempfile
 
@@ -9,7 +10,9 @@ import torch.multiprocessing as mp
 
 def _worker(rank, world, init_file, fn, args):
     torch.set_num_threads(1)  # W processes share the two CI cores
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # A rank left waiting in a collective fails the test in minutes instead of hanging CI.
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=3))
     try:
         fn(rank, world, *args)
     finally:

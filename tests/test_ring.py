@@ -92,3 +92,75 @@ def _check_single_rank_group(rank, world, seed):
 
 def test_single_rank_group_is_plain_attention():
     run(_check_single_rank_group, 2, random.randrange(2**31))
+
+
+def grid_groups(rank, world, head_world, ring_world):
+    """(ring group, head group) of ``rank``, the world cut into blocks of U x R ranks that each form a
+    grid: rank = block * U * R + r * U + u, so a head group is U consecutive ranks (the fastest
+    domain). Every rank creates every group, in the same order."""
+    size = head_world * ring_world
+    ring = head = None
+    for base in range(0, world, size):
+        for members in ([base + r * head_world + u for r in range(ring_world)] for u in range(head_world)):
+            g = torch.distributed.new_group(members)
+            ring = g if rank in members else ring
+        for members in ([base + r * head_world + u for u in range(head_world)] for r in range(ring_world)):
+            g = torch.distributed.new_group(members)
+            head = g if rank in members else head
+    return ring, head
+
+
+# (batch, heads, kv_heads, head_dim, softmax_scale, chunk) per head group size U: kv heads split
+# over the group, and kv heads fewer than U (each replicated to U / kv_heads members).
+SHAPES_2D = {
+    1: [(1, 4, 2, 16, None, 4)],
+    2: [(1, 4, 2, 16, None, 4), (2, 4, 1, 24, 0.7, 2)],
+    4: [(1, 8, 8, 16, None, 2), (1, 4, 2, 16, 0.5, 2)],
+}
+
+
+def _check_2d(rank, world, splits, seed):
+    """Every (U, R) of ``splits`` in turn, each on every block of U x R ranks at once."""
+    torch_ref.BLOCK = 8
+    for head_world, ring_world in splits:
+        ring, head = grid_groups(rank, world, head_world, ring_world)
+        for layout, causal, shape in itertools.product(("zigzag", "contiguous"), (False, True), SHAPES_2D[head_world]):
+            _check_2d_case(rank, ring, head, layout, causal, shape, seed)
+
+
+def _check_2d_case(rank, ring, head, layout, causal, shape, seed):
+    b, h, hk, d, scale, chunk = shape
+    head_world, ring_world = (torch.distributed.get_world_size(g) for g in (head, ring))
+    case = f"U={head_world} R={ring_world} layout={layout} causal={causal} h={h} hk={hk} d={d} seed={seed}"
+    gen = torch.Generator().manual_seed(seed)
+    seq = chunk * ringfa4.ring.layout.required_multiple(ring_world, layout, head_world)
+    q, k, v, dout = (torch.randn(b, seq, n, d, dtype=torch.float64, generator=gen) for n in (h, hk, hk, h))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = attention_fp64(*full, causal=causal, softmax_scale=scale)
+    ref_grads = torch.autograd.grad(ref_out, full, dout)
+
+    def mine(t, dim=1):
+        return ringfa4.shard(t, dim=dim, group=ring, layout=layout, head_group=head)
+
+    local = [mine(t).requires_grad_() for t in (q, k, v)]
+    out, lse = ringfa4.ring_attention(*local, causal=causal, softmax_scale=scale, group=ring, head_group=head,
+                                      layout=layout, backend="torch", return_lse=True)
+    grads = torch.autograd.grad(out, local, mine(dout))
+    got = {"out": out, "lse": lse, **{f"d{n}": g for n, g in zip("qkv", grads)}}
+    expected = {"out": mine(ref_out), "lse": mine(ref_lse, dim=2),
+                **{f"d{n}": mine(g) for n, g in zip("qkv", ref_grads)}}
+    for name, ref in expected.items():
+        err = (got[name] - ref).abs().max().item()
+        assert got[name].shape == ref.shape and err < TOL, f"rank {rank}: {name} error {err:.3g} ({case})"
+    full_out = ringfa4.unshard(out.detach(), group=ring, layout=layout, head_group=head)
+    assert (full_out - ref_out).abs().max().item() < TOL, f"rank {rank}: unshard ({case})"
+
+
+def test_heads_x_ring_matches_fp64_attention_1x2_2x1_2x2():
+    run(_check_2d, 4, [(1, 2), (2, 1), (2, 2)], random.randrange(2**31))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,split", [(6, (2, 3)), (8, (4, 2))])
+def test_heads_x_ring_matches_fp64_attention_2x3_4x2(world, split):
+    run(_check_2d, world, [split], random.randrange(2**31))

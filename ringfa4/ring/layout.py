@@ -3,6 +3,8 @@
 zigzag: 2*W equal chunks, rank r holds chunks r and 2W-1-r, so every rank has the same amount of
 causal work. contiguous: W equal chunks, rank r holds chunk r.
 """
+import math
+
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
@@ -27,12 +29,19 @@ def chunk_ids(rank, world, layout):
     return (rank, 2 * world - 1 - rank) if layout == "zigzag" else (rank,)
 
 
-def check_divisible(seq_len, world, layout, name="sequence length"):
-    multiple = num_chunks(world, layout)
+def required_multiple(world, layout, head_world=1):
+    """What a full sequence length must be a multiple of: every ring shard cut into head_world pieces."""
+    per_rank = num_chunks(world, layout) // world
+    return world * math.lcm(per_rank, head_world)
+
+
+def check_divisible(seq_len, world, layout, name="sequence length", head_world=1):
+    multiple = required_multiple(world, layout, head_world)
     if seq_len % multiple:
+        over = f"{world} ranks" if head_world == 1 else f"{head_world} x {world} (head_group x ring group) ranks"
         raise ValueError(
-            f"{name} = {seq_len} must be a multiple of {multiple} for layout {layout!r} over {world} "
-            f"ranks; ringfa4 never pads or drops tokens"
+            f"{name} = {seq_len} must be a multiple of {multiple} for layout {layout!r} over {over}; "
+            f"ringfa4 never pads or drops tokens"
         )
 
 
@@ -44,18 +53,34 @@ def group_rank_world(group):
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def shard(x, dim=1, group=None, layout="zigzag"):
-    """This rank's part of ``x``, a tensor holding the full sequence along ``dim`` (same on every rank)."""
+def _head_rank_world(head_group):
+    if head_group is None:
+        return 0, 1
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("head_group was given but torch.distributed is not initialized")
+    return dist.get_rank(head_group), dist.get_world_size(head_group)
+
+
+def shard(x, dim=1, group=None, layout="zigzag", head_group=None):
+    """This rank's part of ``x``, a tensor holding the full sequence along ``dim`` (same on every rank).
+
+    With a ``head_group`` of U ranks, each ring shard is cut into U contiguous pieces and member u
+    of the head group holds piece u (see ringfa4.ring.heads).
+    """
     rank, world = group_rank_world(group)
-    check_divisible(x.shape[dim], world, layout, name=f"x.shape[{dim}]")
+    u, heads = _head_rank_world(head_group)
+    check_divisible(x.shape[dim], world, layout, name=f"x.shape[{dim}]", head_world=heads)
     chunks = x.chunk(num_chunks(world, layout), dim=dim)
-    return torch.cat([chunks[i] for i in chunk_ids(rank, world, layout)], dim=dim)
+    local = torch.cat([chunks[i] for i in chunk_ids(rank, world, layout)], dim=dim)
+    return local.chunk(heads, dim=dim)[u] if heads > 1 else local
 
 
-def unshard(x_local, dim=1, group=None, layout="zigzag"):
-    """The full sequence from every rank's part (all-gather; differentiable)."""
+def unshard(x_local, dim=1, group=None, layout="zigzag", head_group=None):
+    """The full sequence from every rank's part (all-gathers; differentiable)."""
     rank, world = group_rank_world(group)
     check_layout(layout)
+    if head_group is not None and dist.get_world_size(head_group) > 1:
+        x_local = torch.cat(dist_fn.all_gather(x_local.contiguous(), group=head_group), dim=dim)
     if world == 1:
         return x_local
     parts = dist_fn.all_gather(x_local.contiguous(), group=group or dist.group.WORLD)

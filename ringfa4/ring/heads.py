@@ -1,0 +1,100 @@
+"""Heads x ring (2-D) context parallelism: an all-to-all over a head group trades sequence for heads.
+
+Rank (u, r), u its rank in the head group (size U) and r in the ring group (size R), holds piece u
+of ring shard r: the sequence is cut for a ring over R ranks (``layout``), and each ring shard
+into U contiguous pieces (``layout.shard`` with a head group). Before the ring, an all-to-all over
+the head group gives member u query heads [u*h/U, (u+1)*h/U) of its whole ring shard (the U
+pieces in member order), so a plain ring over R runs on h/U heads; after it, the reverse
+all-to-all gives each member its own rows of every head back. In the backward the two swap.
+
+GQA. When U divides the kv heads hk, member u gets kv heads [u*hk/U, (u+1)*hk/U), exactly those
+its query heads read. When U exceeds hk (U must then be a multiple of hk), member u reads the one
+kv head u // (U/hk): each kv head is sent to the U/hk members whose query heads read it (each
+needs all of its rows, so nothing travels twice to one rank). Their dK/dV come back through the
+reverse all-to-all, one copy per member, and the rank that owns the rows sums the U/hk copies of
+each kv head in fp32 (fp64 for fp64), rounding once to the input dtype.
+"""
+import torch
+import torch.distributed as dist
+
+
+def check_split(heads, kv_heads, head_world):
+    """Raise ValueError unless ``head_world`` ranks can split these heads (see the module docstring)."""
+    if heads % head_world:
+        raise ValueError(f"q heads ({heads}) must be a multiple of the head_group size ({head_world})")
+    if kv_heads % head_world and head_world % kv_heads:
+        raise ValueError(f"k/v heads ({kv_heads}) and the head_group size ({head_world}) must divide one "
+                         f"another: the kv heads are split over the group, or each replicated to "
+                         f"head_group size / kv heads members")
+
+
+def replicas(kv_heads, head_world):
+    """How many members of the head group read each kv head."""
+    return max(1, head_world // kv_heads)
+
+
+def _to_heads(x, group, copies):
+    """(b, s, h, d) on each of U members -> (b, U*s, h*copies/U, d): this member's heads, every member's rows."""
+    world = dist.get_world_size(group)
+    b, s, h, d = x.shape
+    groups = world // copies  # head groups of n heads; members g*copies ... g*copies + copies-1 get group g
+    n = h // groups
+    send = x.new_empty(world, b, s, n, d)
+    heads = x.reshape(b, s, groups, n, d).permute(2, 0, 1, 3, 4).unsqueeze(1)
+    send.view(groups, copies, b, s, n, d).copy_(heads.expand(groups, copies, b, s, n, d))
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.transpose(0, 1).reshape(b, world * s, n, d)
+
+
+def _to_seq(y, group, copies):
+    """The inverse of ``_to_heads``: (b, U*s, n, d) -> (b, s, n*U/copies, d), summing the copies of a head."""
+    world = dist.get_world_size(group)
+    b, total, n, d = y.shape
+    s = total // world
+    send = y.reshape(b, world, s, n, d).transpose(0, 1).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    if copies > 1:
+        acc = torch.promote_types(y.dtype, torch.float32)
+        recv = recv.view(world // copies, copies, b, s, n, d).sum(1, dtype=acc).to(y.dtype)
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, s, -1, d)
+
+
+class SeqToHeads(torch.autograd.Function):
+    """``_to_heads`` forward, ``_to_seq`` (summing replicated heads' gradients) backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, copies):
+        ctx.group, ctx.copies = group, copies
+        return _to_heads(x, group, copies)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _to_seq(grad, ctx.group, ctx.copies), None, None
+
+
+class HeadsToSeq(torch.autograd.Function):
+    """``_to_seq`` forward, ``_to_heads`` backward."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group = group
+        return _to_seq(y, group, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _to_heads(grad, ctx.group, 1), None
+
+
+def qkv_to_heads(q, k, v, group):
+    """Every member's rows of this member's query heads, and of the kv heads they read."""
+    copies = replicas(k.shape[2], dist.get_world_size(group))
+    return SeqToHeads.apply(q, group, 1), SeqToHeads.apply(k, group, copies), SeqToHeads.apply(v, group, copies)
+
+
+def out_to_seq(out, lse, group):
+    """This member's rows of every head of out (differentiable) and lse (b, h, s; not differentiable)."""
+    with torch.no_grad():
+        lse = _to_seq(lse.transpose(1, 2).unsqueeze(-1), group, 1).squeeze(-1).transpose(1, 2)
+    return HeadsToSeq.apply(out, group), lse
