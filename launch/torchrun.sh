@@ -2,7 +2,11 @@
 # One node, N GPUs (default: all of them). Hydra overrides pass through:
 #
 #   bash launch/torchrun.sh model=llama3-1b data=synthetic parallel.cp=8 train.seq_len=262144 \
-#        train.global_batch=1 train.activation_checkpointing=true
+#        train.global_batch=1 train.activation_checkpointing=full
+#
+# or a run recipe of configs/recipe/ (found through Hydra's search path), overrides still apply:
+#
+#   RECIPE=llama3-8b-128k-node bash launch/torchrun.sh data.path=/data/train.bin
 #
 # Sizing cp: each rank holds seq_len / cp tokens, and the ring hides its K/V transfer behind
 # attention only while that chunk is long enough. For the model's heads / kv_heads / head_dim
@@ -18,6 +22,11 @@ set -euo pipefail
 
 NPROC=${NPROC:-$(nvidia-smi --list-gpus | wc -l)}
 RUN=${RUN:-ringfa4-$(date +%Y%m%d-%H%M%S)}
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+RECIPE_ARGS=()
+if [[ -n "${RECIPE:-}" ]]; then
+    RECIPE_ARGS=("hydra.searchpath=[file://$REPO/configs]" "recipe=$RECIPE")
+fi
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 # Long sequences allocate activations of many sizes; expandable segments keep fragmentation down.
@@ -27,4 +36,4 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 
 # Every rank runs Hydra: hydra.run.dir gives them one output folder, not one per clock second.
 exec torchrun --standalone --nproc_per_node="$NPROC" -m ringfa4.train \
-    hydra.run.dir="outputs/$RUN" "$@"
+    hydra.run.dir="outputs/$RUN" "${RECIPE_ARGS[@]}" "$@"
