@@ -1,172 +1,131 @@
 """Long-context training throughput: ringfa4's ring vs PyTorch context_parallel, one run, same GPUs.
 
-    torchrun --nproc_per_node=2 bench/train.py --commit $(git rev-parse --short HEAD)
-    python bench/train.py --tiny          # CPU smoke run: 2 gloo workers, tiny model, torch backend
+    torchrun --nproc_per_node=2 bench/train.py --record    # full run, rows into bench/results/train.json
+    python bench/train.py --tiny                           # CPU smoke run: 2 gloo workers, tiny model
 
-The llama3-1b shape (ringfa4/configs/model/llama3-1b.yaml) at 65536 tokens per sequence, one
-sequence per step, cp = all ranks, FSDP2 over the same ranks, bf16 params and compute, fp32
-gradient reduction, activation checkpointing, AdamW, synthetic tokens. The model, batches and
-initial weights are identical for both; only attention differs:
+The trainer's own job (ringfa4.train: build, make_batch, train_step) for the llama3-1b shape at
+65536 tokens per sequence, one sequence per step, cp = all ranks, FSDP2 over the same ranks, bf16
+params and compute, fp32 gradient reduction, full activation checkpointing, AdamW at a constant
+learning rate, synthetic tokens. The model, batches and initial weights are identical for both;
+only attention differs:
   ringfa4   ringfa4.ring_attention (backend auto: own CuTe kernels, else FA4, else torch), zigzag,
             K/V of the kv heads only travel the ring;
-  torch_cp  torch.distributed.tensor.experimental.context_parallel over F.scaled_dot_product_attention
-            with cuDNN, its default load balancer; K/V heads repeated to the query heads first (its
-            ring has no GQA), as torchtitan does.
-Per-GPU TFLOP/s count model FLOPs (ModelArgs.flops_per_token: 6 per matmul parameter per token
-plus causal attention), not the recomputation; MFU divides by the dense bf16 peak. Rows go to
-bench/results/train.json (or --out) and a table is printed last.
+  torch_cp  torch.distributed.tensor.experimental.context_parallel over cuDNN SDPA
+            (bench/measure.py), its default load balancer; K/V heads repeated to the query heads
+            first (its ring has no GQA), as torchtitan does.
+Step time: the median over the timed steps (measure.Timer, every step started on all ranks at
+once, each step's time the slowest rank's). Per-GPU TFLOP/s count model FLOPs
+(ModelArgs.flops_per_token: 6 per matmul parameter per token plus causal attention), not the
+recomputation; MFU divides by the dense bf16 peak. The report goes to train.json in a new
+temporary directory unless --out-dir or --record says otherwise (a smoke run never records).
 """
-import argparse
-import datetime
 import json
 import os
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from omegaconf import OmegaConf
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from ringfa4.nn import ModelArgs, Transformer, build_mesh, parallelize, shard_sequence  # noqa: E402
+from bench import measure  # noqa: E402
+from ringfa4 import flops  # noqa: E402
 from ringfa4.nn.parallel import CP  # noqa: E402
-from ringfa4.ring import comm  # noqa: E402
-from ringfa4.train import data, launch, metrics  # noqa: E402
-from ringfa4.train.config import Settings, check_backend  # noqa: E402
-from ringfa4.train.trainer import loss_share  # noqa: E402
+from ringfa4.train import config, launch, metrics, trainer  # noqa: E402
 
-CONFIGS = Path(__file__).resolve().parent.parent / "ringfa4" / "configs" / "model"
-SEED = 0
+GRAD_CLIP = 1.0
 
 
 class SDPAttention(nn.Module):
     """The attention PyTorch's context_parallel knows how to shard: SDPA on (b, h, s, d)."""
 
     def forward(self, q, k, v):
-        repeat = q.shape[2] // k.shape[2]
-        q, k, v = (t.transpose(1, 2) for t in (q, k.repeat_interleave(repeat, 2), v.repeat_interleave(repeat, 2)))
-        if q.is_cuda:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return out.transpose(1, 2)
+        return measure.sdpa(*measure.sdpa_layout(q, k, v), causal=True).transpose(1, 2)
 
 
-def model_args(name):
-    cfg = OmegaConf.to_container(OmegaConf.load(CONFIGS / f"{name}.yaml"))
-    cfg.pop("name")
-    return ModelArgs(**cfg)
+def job_config(opts, world):
+    """The trainer's JobConfig for this bench: the named model preset, synthetic tokens, one
+    sequence per step over a ring of all ranks, a constant learning rate."""
+    recompute = "none" if opts.no_recompute else "full"
+    return config.compose(
+        f"model={opts.model}", "data=synthetic", f"parallel.cp={world}", "parallel.dp_shard=1",
+        f"parallel.backend={opts.backend}", f"train.seq_len={opts.seq_len}", "train.global_batch=1",
+        f"train.steps={opts.steps}", "train.lr=1e-4", "train.min_lr=1e-4", "train.warmup_steps=0",
+        f"train.grad_clip={GRAD_CLIP}", f"train.activation_checkpointing={recompute}",
+        f"train.mixed_precision={'fp32' if opts.tiny else 'bf16'}", f"train.device={'cpu' if opts.tiny else 'cuda'}")
 
 
-def build(impl, args, mesh, device, param_dtype, backend, recompute):
-    with torch.device("meta"):
-        model = Transformer(args)
-    parallelize(model, mesh, layout="zigzag", backend=backend, param_dtype=param_dtype,
-                activation_checkpointing=recompute)
+def torch_cp_step(run, position, global_tokens):
+    """One train step with PyTorch's context_parallel sharding the whole sequences in place."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    samples = trainer.local_samples(run, position).to(run.device)
+    tokens, labels = samples[:, :-1].contiguous(), samples[:, 1:].contiguous()
+    positions = torch.arange(tokens.shape[1], device=run.device).unsqueeze(0)
+    buffers = [tokens, labels, positions]
+    context = lambda: context_parallel(run.mesh[CP], buffers=buffers, buffer_seq_dims=[1, 1, 1],  # noqa: E731
+                                       no_restore_buffers=set(buffers))
+    return trainer.train_step(run.model, run.optimizer, buffers, global_tokens, GRAD_CLIP, context)
+
+
+def measure_impl(impl, job, opts, device):
+    run = trainer.build(job, device)
     if impl == "torch_cp":
-        for layer in model.layers:
+        for layer in run.model.layers:
             layer.attention.core = SDPAttention()
-    model.to_empty(device=device)
-    model.init_weights(SEED)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
-
-
-def step(impl, model, optimizer, sample, mesh, seq_len):
-    tokens, labels = sample[:, :-1].contiguous(), sample[:, 1:].contiguous()
-    positions = torch.arange(seq_len, device=sample.device).unsqueeze(0)
-    if impl == "ringfa4":
-        tokens, labels, positions = shard_sequence((tokens, labels, positions), mesh[CP].get_group(), "zigzag")
-        share = loss_share(model, tokens, labels, positions, seq_len)
-        share.backward()
-    else:
-        from torch.distributed.tensor.experimental import context_parallel
-        buffers = [tokens, labels, positions]
-        with context_parallel(mesh[CP], buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
-            share = loss_share(model, tokens, labels, positions, seq_len)
-            share.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    loss = share.detach().clone()
-    dist.all_reduce(loss)
-    return loss
-
-
-def measure(impl, opts, args, mesh, device, param_dtype, backend):
-    model, optimizer = build(impl, args, mesh, device, param_dtype, backend, not opts.no_recompute)
-    sampler = data.SyntheticSampler(args.vocab_size, opts.seq_len, SEED)
+    global_tokens = job.train.global_batch * job.train.seq_len
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     losses = []
-    for i in range(opts.steps):
-        if i == opts.warmup:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dist.barrier()
-            start = time.perf_counter()
-        losses.append(step(impl, model, optimizer, sampler[i].unsqueeze(0).to(device), mesh, opts.seq_len))
-        if dist.get_rank() == 0 and (i < opts.warmup or i == opts.steps - 1):
-            print(f"{impl}: step {i + 1}/{opts.steps} loss {losses[-1].item():.4f}", flush=True)
-    losses = [x.item() for x in losses]
-    elapsed = (time.perf_counter() - start) / (opts.steps - opts.warmup)
-    flops = args.flops_per_token(opts.seq_len) * opts.seq_len / dist.get_world_size() / elapsed
+
+    def step():
+        position = len(losses) * job.train.global_batch
+        if impl == "ringfa4":
+            loss, _ = trainer.train_step(run.model, run.optimizer, trainer.make_batch(run, position),
+                                         global_tokens, GRAD_CLIP)
+        else:
+            loss, _ = torch_cp_step(run, position, global_tokens)
+        losses.append(loss)
+        if dist.get_rank() == 0 and (len(losses) <= opts.warmup or len(losses) == opts.steps):
+            print(f"{impl}: step {len(losses)}/{opts.steps} loss {loss.item():.4f}", flush=True)
+
+    timer = measure.Timer(device, rounds=opts.steps - opts.warmup, warmup=opts.warmup, group=dist.group.WORLD)
+    (ms,) = timer(step)
+    world = dist.get_world_size()
+    model_flops = run.settings.model.flops_per_token(job.train.seq_len) * global_tokens / world
     peak = metrics.peak_flops(device)
-    row = {"impl": impl, "step_s": elapsed, "tokens_per_s": opts.seq_len / elapsed,
-           "tflops_per_gpu": flops / 1e12, "mfu": flops / peak if peak else None,
-           "peak_mem_gib": metrics.peak_memory_gib(device), "losses": losses}
-    del model, optimizer
+    row = {"impl": impl, "backend": run.backend if impl == "ringfa4" else "cuDNN SDPA", "step_s": ms / 1e3,
+           "tokens_per_s": global_tokens / (ms / 1e3), "tflops_per_gpu": flops.tflops(model_flops, ms),
+           "mfu": model_flops / (ms / 1e3) / peak if peak else None,
+           "peak_mem_gib": metrics.peak_memory_gib(device), "losses": [x.item() for x in losses]}
+    del run
     return row
 
 
 def worker(opts, rank, world, local_rank):
-    if opts.tiny:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-    else:
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device,
-                                pg_options=comm.nccl_options())
-    try:
-        args = model_args(opts.model)
-        param_dtype = None if opts.tiny else torch.bfloat16
-        if opts.seq_len % (2 * world):
-            raise ValueError(f"--seq-len={opts.seq_len} must be a multiple of 2 * cp = {2 * world} (zigzag)")
-        settings = Settings(args, world, 1, "zigzag", opts.backend, param_dtype, 1)
-        backend = check_backend(settings, device)
-        mesh = build_mesh(device.type, 1, world)
-        rows = [measure("ringfa4", opts, args, mesh, device, param_dtype, backend)]
-        rows[0]["backend"] = backend
+    job = job_config(opts, world)
+    with launch.process_group(config.device_type(job.train), rank, world, local_rank) as device:
+        rows = [measure_impl("ringfa4", job, opts, device)]
         failed = None
         try:
-            rows.append(measure("torch_cp", opts, args, mesh, device, param_dtype, backend))
+            rows.append(measure_impl("torch_cp", job, opts, device))
         except Exception as e:  # kept in the results and printed; on GPU the run then exits non-zero
             failed = f"torch_cp could not run on {device.type}: {type(e).__name__}: {str(e).splitlines()[0]}"
-        return {"rows": rows, "torch_cp_failed": failed, "world": world,
-                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
-    finally:
-        dist.destroy_process_group()
+        return {"rows": rows, "torch_cp_failed": failed, "world": world, "meta": measure.metadata(device, opts.commit)}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args():
+    p = measure.parser(__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: 2 gloo workers, tiny model, torch backend")
-    p.add_argument("--model", default=None, help="model config name (default llama3-1b, tiny with --tiny)")
+    p.add_argument("--model", default=None, help="model preset of ringfa4/configs/model (default llama3-1b, "
+                                                 "tiny with --tiny)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 65536, 256 with --tiny)")
     p.add_argument("--steps", type=int, default=None, help="steps per implementation (default 24, 4 with --tiny)")
     p.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 4, 1 with --tiny)")
     p.add_argument("--backend", default=None, help="ringfa4 backend (default auto, torch with --tiny)")
     p.add_argument("--no-recompute", action="store_true", help="keep activations (no activation checkpointing)")
-    p.add_argument("--commit", default=None, help="commit recorded in the results (default: git rev-parse)")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "train.json"))
     opts = p.parse_args()
     tiny = opts.tiny
     opts.model = opts.model or ("tiny" if tiny else "llama3-1b")
@@ -176,55 +135,59 @@ def main():
     opts.backend = opts.backend or ("torch" if tiny else "auto")
     if not 0 <= opts.warmup < opts.steps:
         p.error("--warmup must be in [0, --steps)")
-    if opts.commit is None:
-        try:
-            opts.commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                         check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            opts.commit = "unknown"
+    measure.check_output_args(p, opts, smoke=tiny)
+    if not (tiny or launch.under_torchrun()):
+        p.error("run under torchrun (torchrun --nproc_per_node=2 bench/train.py), or pass --tiny for the CPU run")
+    # Settings are checked before any worker starts (the world size is known only to the workers).
+    job_config(opts, launch.CPU_WORKERS if tiny else int(os.environ["WORLD_SIZE"]))
+    return opts
 
+
+def report(opts, result):
+    rows = {r["impl"]: r for r in result["rows"]}
+    summary = {**result["meta"], "gpus": result["world"], "model": opts.model, "seq_len": opts.seq_len,
+               "cp": result["world"], "dp_shard": 1, "global_batch": 1, "dtype": "fp32" if opts.tiny else "bf16",
+               "recompute": not opts.no_recompute, "steps": opts.steps, "warmup": opts.warmup,
+               "rows": result["rows"], "torch_cp_failed": result["torch_cp_failed"]}
+    if "torch_cp" in rows:
+        # Same weights, same first batch: the two rings must agree on the first loss (bf16 noise).
+        a, b = rows["ringfa4"]["losses"][0], rows["torch_cp"]["losses"][0]
+        summary["first_loss_rel_diff"] = abs(a - b) / abs(b)
+    out = measure.output_dir(opts) / "train.json"
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+
+    print(f"\n{opts.model}, {opts.seq_len} tokens/step, cp={result['world']} on {summary['device']}, "
+          f"{summary['dtype']}, recompute={summary['recompute']}, {opts.steps - opts.warmup} timed steps, "
+          f"commit {summary['commit']}")
+    print("| impl | backend | step s | tokens/s | TFLOP/s/GPU | MFU | peak mem GiB | loss first -> last |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in result["rows"]:
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        print(f"| {r['impl']} | {r['backend']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+              f"{r['tflops_per_gpu']:.2f} | {mfu} | {r['peak_mem_gib']:.1f} | "
+              f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} |")
+    if "torch_cp" in rows:
+        print(f"first-step loss ringfa4 vs torch_cp: relative difference {summary['first_loss_rel_diff']:.2e}")
+        print(f"ringfa4 / torch_cp tokens/s: {rows['ringfa4']['tokens_per_s'] / rows['torch_cp']['tokens_per_s']:.2f}x")
+    print(f"wrote {out}")
+    if result["torch_cp_failed"]:
+        # On CPU this is expected: PyTorch's ring shards only the CUDA SDPA kernels (flash,
+        # efficient, cuDNN), not the CPU one.
+        print(f"{'NOT COMPARED' if opts.tiny else 'FAILED'}: {result['torch_cp_failed']}")
+        if not opts.tiny:
+            sys.exit(1)
+
+
+def main():
+    opts = parse_args()
     if launch.under_torchrun():
         rank = int(os.environ["RANK"])
         result = worker(opts, rank, int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]))
         if rank != 0:
             return
-    elif tiny:
-        result = launch.spawn(worker, launch.CPU_WORKERS, opts)
     else:
-        p.error("run under torchrun (torchrun --nproc_per_node=2 bench/train.py), or pass --tiny for the CPU run")
-
-    rows = {r["impl"]: r for r in result["rows"]}
-    report = {"device": result["device"], "gpus": result["world"], "date": datetime.date.today().isoformat(),
-              "commit": opts.commit, "torch": torch.__version__, "model": opts.model, "seq_len": opts.seq_len,
-              "cp": result["world"], "dp_shard": 1, "global_batch": 1, "dtype": "fp32" if tiny else "bf16",
-              "recompute": not opts.no_recompute, "steps": opts.steps, "warmup": opts.warmup,
-              "rows": result["rows"], "torch_cp_failed": result["torch_cp_failed"]}
-    if "torch_cp" in rows:
-        # Same weights, same first batch: the two rings must agree on the first loss (bf16 noise).
-        a, b = rows["ringfa4"]["losses"][0], rows["torch_cp"]["losses"][0]
-        report["first_loss_rel_diff"] = abs(a - b) / abs(b)
-    Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(opts.out).write_text(json.dumps(report, indent=2) + "\n")
-
-    print(f"\n{opts.model}, {opts.seq_len} tokens/step, cp={result['world']} on {result['device']}, "
-          f"{report['dtype']}, recompute={report['recompute']}, {opts.steps - opts.warmup} timed steps, commit {opts.commit}")
-    print("| impl | backend | step s | tokens/s | TFLOP/s/GPU | MFU | peak mem GiB | loss first -> last |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in result["rows"]:
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-        print(f"| {r['impl']} | {r.get('backend', 'cuDNN SDPA')} | {r['step_s']:.3f} | "
-              f"{r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.2f} | {mfu} | {r['peak_mem_gib']:.1f} | "
-              f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} |")
-    if "torch_cp" in rows:
-        print(f"first-step loss ringfa4 vs torch_cp: relative difference {report['first_loss_rel_diff']:.2e}")
-        print(f"ringfa4 / torch_cp tokens/s: {rows['ringfa4']['tokens_per_s'] / rows['torch_cp']['tokens_per_s']:.2f}x")
-    print(f"wrote {opts.out}")
-    if result["torch_cp_failed"]:
-        # On CPU this is expected: PyTorch's ring shards only the CUDA SDPA kernels (flash,
-        # efficient, cuDNN), not the CPU one.
-        print(f"{'NOT COMPARED' if tiny else 'FAILED'}: {result['torch_cp_failed']}")
-        if not tiny:
-            sys.exit(1)
+        result = launch.spawn(worker, launch.CPU_WORKERS, opts)
+    report(opts, result)
 
 
 if __name__ == "__main__":

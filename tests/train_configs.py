@@ -1,12 +1,8 @@
 """Compose the packaged Hydra config the way `ringfa4-train` does, for in-process tests."""
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
+from ringfa4.train import config
 
-import ringfa4
-from ringfa4.train import config  # registers the schema the tree is composed over
-
-CONFIG_DIR = str(Path(ringfa4.__file__).parent / "configs")
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # A model and run small enough for a few steps in seconds on a 2-core CI machine.
@@ -14,12 +10,6 @@ SMALL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_head
          "train.seq_len=64", "train.global_batch=2", "train.log_interval=1", "train.warmup_steps=2"]
 
 
-def composed_dict(*overrides):
-    """The composed DictConfig (typed by the schema), before its values are checked."""
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose("config", overrides=list(overrides))
-
-
 def composed(*overrides):
     """The config.JobConfig that `ringfa4-train <overrides>` runs; raises ConfigError on a bad value."""
-    return config.to_job(composed_dict(*overrides))
+    return config.compose(*overrides)

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
+import hydra
 import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -200,6 +201,13 @@ ConfigStore.instance().store(name="job_schema", node=JobConfig)
 def to_job(cfg):
     """The JobConfig of a composed DictConfig; raises ConfigError naming a bad value."""
     return OmegaConf.to_object(cfg)
+
+
+def compose(*overrides):
+    """The JobConfig that `ringfa4-train <overrides>` runs, composed in-process (benches, tests);
+    raises ConfigError naming a bad value."""
+    with hydra.initialize_config_module(config_module="ringfa4.configs", version_base="1.3"):
+        return to_job(hydra.compose("config", overrides=list(overrides)))
 
 
 @dataclass(frozen=True)
