@@ -1,5 +1,6 @@
-"""`python -m ringfa4.train` on every GPU of the machine (NCCL, bf16, backend auto) trains, and
-a run resumed from its DCP checkpoint continues.
+"""`python -m ringfa4.train` on every GPU of the machine (NCCL, bf16, backend auto) trains, a run
+resumed from its DCP checkpoint continues, and one whose newest checkpoint is damaged falls back
+to the one before (the integrity check runs its collectives over NCCL).
 
 Run on the device machine (kind nvidia-h200-x2), NOT under torchrun (the entry starts a worker per GPU):
     python -m pytest -m gpu -q tests/gpu/test_train_gpu.py
@@ -40,3 +41,11 @@ def test_entry_trains_on_all_gpus_in_bf16_and_resumes(tmp_path):
 
     out = run_entry(tmp_path, "train.steps=32", "train.resume=true")
     assert "resumed at step 30" in out and "step 32/32" in out
+
+    newest = tmp_path / "ckpt" / "step_00000032"
+    shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    out = run_entry(tmp_path, "train.steps=34", "train.resume=true")
+    assert f"checkpoint {newest} fails its integrity check ({shard} has" in out
+    assert "resumed at step 30" in out and "step 34/34" in out
