@@ -17,6 +17,7 @@ from omegaconf import MISSING, OmegaConf
 
 from ringfa4 import backends
 from ringfa4.nn import ModelArgs
+from ringfa4.nn.model import ACTIVATION_CHECKPOINTING
 from ringfa4.train import checkpoint
 
 LAYOUT_MULTIPLE = {"zigzag": 2, "contiguous": 1}
@@ -170,6 +171,7 @@ class TrainConfig:
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ConfigError(f"train.grad_clip must be > 0 (or null: no clipping), got {self.grad_clip}")
         _one_of(self.mixed_precision, ("auto",) + tuple(MIXED_PRECISION), "train.mixed_precision")
+        _one_of(self.activation_checkpointing, ACTIVATION_CHECKPOINTING, "train.activation_checkpointing")
         _one_of(self.device, DEVICES, "train.device")
         if self.checkpoint_keep < 0:
             raise ConfigError(f"train.checkpoint_keep must be >= 0 (0 keeps all), got {self.checkpoint_keep}")
