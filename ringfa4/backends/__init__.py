@@ -21,6 +21,9 @@ Every backend module defines:
         dtype. A backend may also keep there what depends on the queries alone; DqBuffer, which
         keeps just dQ, serves backends with nothing better.
 
+Arguments arrive checked: ringfa4.api validates them once per call (types, shapes, dtypes,
+devices, heads, softmax_scale) and asks the chosen backend's unsupported_reason once; forward,
+backward and query_state trust them, since a ring calls them once per step.
 Inputs may be views that are non-contiguous in the sequence dimension (a ring step slices
 one chunk of the local sequence); the head dimension is always contiguous.
 Causal attention requires sq == sk (the ring never asks for anything else).

@@ -1,4 +1,4 @@
-"""Compile every shipped kernel variant, no GPU needed:
+"""Compile every shipped kernel variant (ringfa4.backends.cute.configs.VARIANTS), no GPU needed:
 
     python -m ringfa4.kernels --arch sm_90a --dump DIR [--only REGEX]
 
@@ -22,10 +22,11 @@ def main(argv=None):
     # Must be set before cutlass is imported: without a GPU the DSL would target sm_100a.
     os.environ["CUTE_DSL_ARCH"] = args.arch
 
-    from ringfa4.kernels import compile as kc
+    from ringfa4.backends.cute import compile as kc
+    from ringfa4.backends.cute.configs import VARIANTS
 
     os.makedirs(args.dump, exist_ok=True)
-    variants = [v for v in kc.VARIANTS if re.search(args.only, v.name)]
+    variants = [v for v in VARIANTS if re.search(args.only, v.name)]
     if not variants:
         parser.error(f"no shipped variant matches --only {args.only!r}")
     with tempfile.TemporaryDirectory() as scratch:

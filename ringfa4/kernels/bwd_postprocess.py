@@ -6,8 +6,6 @@ rows r and r + 8 over columns 8 j .. 8 j + 7 of their part. A thread here reads 
 and writes its two 8-column row pieces; eight threads with consecutive j write one 64-column row
 of a part, whole 128-byte lines. Rows past the sequence (the last tile's padding) are dropped.
 """
-from dataclasses import dataclass
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
@@ -73,40 +71,3 @@ class DqPostprocess:
                     out = cute.make_rmem_tensor((_COLS,), self.dtype)
                     out.store(vals.load().to(self.dtype))
                     cute.autovec_copy(out, dst)
-
-
-@dataclass(frozen=True)
-class DqPostprocessConfig:
-    """Compile-time values of the postprocess (compile cache key)."""
-
-    dtype: str  # of dq: "bf16" | "fp16" | "fp32"
-    head_dim: int
-    add: bool  # add into dq (else overwrite it)
-
-    @property
-    def name(self) -> str:
-        return f"bwd_dq_postprocess_{self.dtype}_d{self.head_dim}_{'add' if self.add else 'store'}"
-
-    def compile_args(self):
-        dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": Float32}[self.dtype]
-        b, s, h, length = (cute.sym_int() for _ in range(4))
-        per_16_bytes = 128 // dt.width
-        dq_stride = tuple(cute.sym_int64(divisibility=per_16_bytes) for _ in range(3)) + (1,)
-        return DqPostprocess(dt, self.head_dim, self.add), (
-            cute.runtime.make_fake_tensor(
-                Float32, (b, h, length),
-                stride=(cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), 1),
-                assumed_align=16),
-            cute.runtime.make_fake_tensor(dt, (b, s, h, self.head_dim), stride=dq_stride,
-                                          assumed_align=16),
-            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-        )
-
-
-# Shipped postprocess variants: what the backward asks for (dq fresh or given in the input dtype,
-# or an fp32 dq to add into), for every head_dim.
-VARIANTS = [
-    DqPostprocessConfig(dt, d, add)
-    for d in (64, 128)
-    for dt, add in (("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True), ("fp32", True))
-]

@@ -8,7 +8,6 @@ Eight threads share one row (head_dim / 8 contiguous elements each, 16-byte load
 their partial sums with butterfly shuffles.
 """
 import math
-from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
@@ -61,36 +60,3 @@ class BwdPreprocess:
                 lse2 = Float32.inf if lse == -Float32.inf else lse * LOG2_E
             mLSE2[batch, head, row] = lse2
             mDelta[batch, head, row] = delta * softmax_scale
-
-
-@dataclass(frozen=True)
-class BwdPreprocessConfig:
-    """Compile-time values of the preprocess (compile cache key)."""
-
-    dtype: str  # "bf16" | "fp16"
-    head_dim: int
-
-    @property
-    def name(self) -> str:
-        return f"bwd_preprocess_{self.dtype}_d{self.head_dim}"
-
-    def compile_args(self):
-        from ringfa4.kernels.compile import fake_bshd
-
-        dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[self.dtype]
-        b, s, h, s_pad = (cute.sym_int() for _ in range(4))
-
-        def stats(n):
-            return cute.runtime.make_fake_tensor(
-                Float32, (b, h, n), stride=(cute.sym_int64(), cute.sym_int64(), 1),
-                assumed_align=4)
-
-        return BwdPreprocess(dt, self.head_dim), (
-            fake_bshd(dt, b, s, h, self.head_dim), fake_bshd(dt, b, s, h, self.head_dim),
-            stats(s), stats(s_pad), stats(s_pad), Float32(1.0),
-            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-        )
-
-
-# Shipped preprocess variants: every (dtype, head_dim) of the backward.
-VARIANTS = [BwdPreprocessConfig(dt, d) for dt in ("bf16", "fp16") for d in (64, 128)]

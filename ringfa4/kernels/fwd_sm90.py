@@ -1,13 +1,26 @@
 """Attention forward for Hopper (sm_90a), warp-specialised, returning the log-sum-exp.
 
 A work tile is tile_m query rows of one (batch, head) against every key they see; a CTA runs
-one tile, or with `persistent` every grid-size-th tile on one resident CTA per SM.
-- warpgroup 0: one producer warp issues TMA loads: the tile's Q, then K and V blocks through a
-  num_stages-deep ring of shared-memory buffers guarded by mbarriers (full/empty per stage).
-  It gives most of its registers back (setmaxnreg) to the consumers.
-- warpgroups 1..num_wg: consumers, 64 query rows each. S = Q K^T is a wgmma with both operands
-  in shared memory; P = softmax(S) stays in registers and is the A operand of O += P V.
-Techniques, each a compile-time switch so benchmarks can show what it buys:
+one tile, or with `persistent` every grid-size-th tile on one resident CTA per SM
+(tile_scheduler.FwdTileScheduler). GQA/MQA read the kv head h // (heads / kv_heads) in place.
+
+Pipeline of a work tile (warpgroup 0 produces, warpgroups 1..num_wg consume, 64 rows each):
+ 1. Producer (one warp of warpgroup 0, most of its registers given to the consumers by
+    setmaxnreg): TMA-loads Q, then K_j and V_j for key blocks j from the last down to 0 through a
+    num_stages-deep ring of shared-memory buffers, full/empty mbarriers per stage. K_{j-1} is
+    requested before V_j, the order the consumers use them.
+ 2. Consumers, per key block j (the last first: it is the only one with keys past seqlen_k, and
+    under causal the blocks crossing the diagonal follow it, so masked blocks come first):
+    a. S = Q K_j^T: wgmma, both operands in shared memory, fp32 accumulator in registers;
+    b. mask (mask.py): keys past seqlen_k and, under causal, keys after the query, to -inf;
+    c. online softmax (softmax.OnlineSoftmax): running row max and sum, P = exp2(S * scale *
+       log2(e) - max) in place, and the factor by which the running O must be rescaled;
+    d. P rounded to 16 bits in registers, the A operand of
+    e. O = O * factor + P V_j: wgmma with A from registers and B = V^T from shared memory.
+ 3. Epilogue: O /= row sum, rounded to 16 bits, staged in shared memory (stmatrix) and
+    TMA-stored; lse (natural log) written by the thread holding column 0 of each row.
+
+Techniques, each a compile-time switch of the configuration so benchmarks can show what it buys:
 - intra_wg_overlap: a consumer issues S_{j+1} = Q K_{j+1}^T and O += P_j V_j back to back and
   runs the softmax of S_{j+1} while the P_j V_j product is still in the tensor cores.
 - pingpong: named barriers hand the tensor cores from one consumer warpgroup to the next, so
@@ -17,12 +30,14 @@ Techniques, each a compile-time switch so benchmarks can show what it buys:
 - lpt: causal tiles ordered longest-first, heads grouped so a group's K/V stays in L2.
 - persistent: the producer loads the next tile's Q, K, V while consumers finish the last one
   (O then needs its own staging buffer instead of reusing Q's).
-GQA/MQA read the kv head h // (heads / kv_heads) in place. Ragged tails rely on TMA: loads
-outside the tensor fill zeros, stores outside it are dropped; scores past seqlen_k are masked.
+Ragged tails rely on TMA: loads outside the tensor fill zeros, stores outside it are dropped.
+
+Fragment shapes per consumer thread (wgmma m64nNk16 accumulators, one MMA_M per warpgroup):
+  S, P  ((2, 2, tile_n / 8), 1, 1)    fp32 / 16-bit: rows r and r + 8 of a quad, 2 columns per 8
+  O     ((2, 2, head_dim / 8), 1, 1)  fp32
+  row max, row sum, lse: 2 per thread (its two rows), each shared by the 4 threads of a quad.
 """
-from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -33,80 +48,27 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from ringfa4.kernels import wgmma
-from ringfa4.kernels.softmax import (
-    LOG2_E,
-    OnlineSoftmax,
-    acc_rows_view,
-    convert_to,
-    scale_rows,
-)
+from ringfa4.kernels.barriers import FwdBarrier
+from ringfa4.kernels.dtypes import CUTLASS_DTYPES
+from ringfa4.kernels.layout import acc_rows_view, rows_major, seq_major, transpose
+from ringfa4.kernels.mask import AttentionMask
+from ringfa4.kernels.ptx import convert_to
+from ringfa4.kernels.softmax import LOG2_E, OnlineSoftmax, scale_rows
+from ringfa4.kernels.tile_scheduler import FwdTileScheduler
 
-# Named barrier ids (0 is __syncthreads).
-_BAR_EPILOGUE = 1
-_BAR_SCHED0 = 2  # one per consumer warpgroup: _BAR_SCHED0 + (wg - 1)
 # Shared memory per CTA on sm_90 (227 KB) and what mbarriers + buffer alignment take of it.
 _SMEM_MAX = 232448
 _SMEM_RESERVED = 1024
-# Bytes of L2 the LPT order plans to keep K/V of a head group in (H100/H200 have 50/60 MB).
-_L2_BUDGET = 32 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class FwdSm90Config:
-    """Every compile-time value of the kernel; the compile cache is keyed on it."""
-
-    dtype: str  # "bf16" | "fp16"
-    head_dim: int
-    causal: bool
-    tile_m: int
-    tile_n: int
-    num_stages: int = 2
-    intra_wg_overlap: bool = True
-    pingpong: bool = True
-    rescale_threshold: Optional[float] = 8.0
-    ex2_fma_per16: int = 0
-    lpt: bool = False
-    persistent: bool = False
-
-    def compile_args(self):
-        """(kernel, fake arguments) for cute.compile: batch, sequence lengths and head counts
-        are symbolic, so one compiled kernel serves them all."""
-        from ringfa4.kernels.compile import fake_bshd
-
-        dt = cutlass.BFloat16 if self.dtype == "bf16" else cutlass.Float16
-        b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
-        q, o = (fake_bshd(dt, b, sq, h, self.head_dim) for _ in range(2))
-        k, v = (fake_bshd(dt, b, sk, hk, self.head_dim) for _ in range(2))
-        lse = cute.runtime.make_fake_tensor(
-            Float32, (b, h, sq), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
-        )
-        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-        return FwdSm90(self), (q, k, v, o, lse, Float32(1.0), Int32(1), stream)
-
-    @property
-    def name(self) -> str:
-        flags = [
-            "ovl" if self.intra_wg_overlap else "noovl",
-            "pp" if self.pingpong else "nopp",
-            f"rs{self.rescale_threshold:g}" if self.rescale_threshold is not None else "rsalways",
-            f"ex{self.ex2_fma_per16}",
-        ] + (["lpt"] if self.lpt else []) + (["persist"] if self.persistent else [])
-        return (
-            f"fwd_sm90_{self.dtype}_d{self.head_dim}_{'causal' if self.causal else 'full'}"
-            f"_{self.tile_m}x{self.tile_n}s{self.num_stages}_" + "_".join(flags)
-        )
-
-
-def _permute(t: cute.Tensor, modes) -> cute.Tensor:
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
 class FwdSm90:
-    def __init__(self, cfg: FwdSm90Config):
+    """cfg: the compile-time values (ringfa4.backends.cute.configs.FwdSm90Config)."""
+
+    def __init__(self, cfg):
         assert cfg.dtype in ("bf16", "fp16")
         assert cfg.head_dim in (64, 128) and cfg.tile_m % 64 == 0 and cfg.tile_n % 16 == 0
         self.cfg = cfg
-        self.dtype = cutlass.BFloat16 if cfg.dtype == "bf16" else cutlass.Float16
+        self.dtype = CUTLASS_DTYPES[cfg.dtype]
         self.d = cfg.head_dim
         self.tile_m, self.tile_n, self.stages = cfg.tile_m, cfg.tile_n, cfg.num_stages
         self.num_wg = cfg.tile_m // 64
@@ -115,6 +77,8 @@ class FwdSm90:
         self.num_threads = 128 * (self.num_wg + 1)
         # setmaxnreg budgets: 64K registers per SM shared by one CTA's warpgroups.
         self.mma_regs, self.producer_regs = {2: (240, 24), 3: (160, 32)}[self.num_wg]
+        self.scheduler = FwdTileScheduler(self.tile_m, self.d * 2 * (self.dtype.width // 8), cfg.lpt)
+        self.attention_mask = AttentionMask(self.tile_m, self.tile_n, cfg.causal, key_first=False)
         smem = 2 * self.d * (self.tile_m * (2 if cfg.persistent else 1)
                                 + 2 * self.stages * self.tile_n) + _SMEM_RESERVED
         if smem > _SMEM_MAX:
@@ -137,8 +101,8 @@ class FwdSm90:
         stream,
     ):
         # Kernel views: (seq, d, head, batch) and lse (seq, head, batch).
-        mQ, mK, mV, mO = [_permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
-        mLSE = _permute(mLSE, [2, 1, 0])
+        mQ, mK, mV, mO = [seq_major(t) for t in (mQ, mK, mV, mO)]
+        mLSE = rows_major(mLSE)
         dt = self.dtype
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
@@ -195,28 +159,6 @@ class FwdSm90:
             stream=stream,
             min_blocks_per_mp=1,
         )
-
-    @cute.jit
-    def tile_coords(self, tile: Int32, seqlen_q: Int32, seqlen_k: Int32, heads: Int32, batch: Int32):
-        """(m_block, head, batch) of work tile `tile`. LPT: heads in groups whose K/V fit in L2,
-        each group's tiles longest (last query block under causal) first."""
-        num_m = (seqlen_q + self.tile_m - 1) // self.tile_m
-        num_bh = heads * batch
-        m_block = Int32(0)
-        bh = Int32(0)
-        if const_expr(self.cfg.lpt):
-            kv_bytes = seqlen_k * (self.d * 2 * (self.dtype.width // 8))
-            group = cutlass.max(Int32(1), cutlass.min(num_bh, Int32(_L2_BUDGET) // cutlass.max(kv_bytes, Int32(1))))
-            g = tile // (group * num_m)
-            first = g * group
-            in_group = cutlass.min(group, num_bh - first)
-            r = tile - first * num_m
-            m_block = num_m - 1 - r // in_group
-            bh = first + r % in_group
-        else:
-            m_block = tile % num_m
-            bh = tile // num_m
-        return m_block, bh % heads, bh // heads
 
     def n_blocks(self, m_block, seqlen_k):
         """Key blocks this query block sees."""
@@ -297,7 +239,7 @@ class FwdSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         tile = Int32(cute.arch.block_idx()[0])
         while tile < num_tiles:
-            m_block, head, batch = self.tile_coords(tile, seqlen_q, seqlen_k, mQ.shape[2], mQ.shape[3])
+            m_block, head, batch = self.scheduler.coords(tile, seqlen_q, seqlen_k, mQ.shape[2], mQ.shape[3])
             head_kv = head // (mQ.shape[2] // mK.shape[2])
             n_block_max = self.n_blocks(m_block, seqlen_k)
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.d), (m_block, 0))
@@ -339,14 +281,22 @@ class FwdSm90:
         """Wait for this warpgroup's turn on the tensor cores."""
         if const_expr(self.cfg.pingpong):
             wg = cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // 128)
-            cute.arch.barrier(barrier_id=_BAR_SCHED0 - 1 + wg, number_of_threads=256)
+            cute.arch.barrier(barrier_id=FwdBarrier.SCHED0 - 1 + wg, number_of_threads=256)
 
     def sched_pass(self):
         """Hand the tensor cores to the next consumer warpgroup."""
         if const_expr(self.cfg.pingpong):
             wg = cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // 128)
             nxt = wg % self.num_wg  # consumer warpgroups are 1..num_wg; 0-based next
-            cute.arch.barrier_arrive(barrier_id=_BAR_SCHED0 + nxt, number_of_threads=256)
+            cute.arch.barrier_arrive(barrier_id=FwdBarrier.SCHED0 + nxt, number_of_threads=256)
+
+    @cute.jit
+    def sched_init(self):
+        # The first consumer warpgroup may start at once: pre-arrive on its own barrier.
+        if const_expr(self.cfg.pingpong):
+            wg = cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // 128)
+            if wg == 1:
+                cute.arch.barrier_arrive(barrier_id=FwdBarrier.SCHED0, number_of_threads=256)
 
     @cute.jit
     def consume(
@@ -355,186 +305,170 @@ class FwdSm90:
     ):
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         tidx = cute.arch.thread_idx()[0] - 128
-        wg = cute.arch.make_warp_uniform(tidx // 128)
-        wg_first_thread = cute.make_layout(self.num_wg, stride=128)
-        wg_qk = tiled_mma_qk.get_slice(wg_first_thread(wg))
-        wg_pv = tiled_mma_pv.get_slice(wg_first_thread(wg))
-        thr_qk = tiled_mma_qk.get_slice(tidx)
-        thr_pv = tiled_mma_pv.get_slice(tidx)
-
-        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
-        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
-        # V^T view (d, tile_n, stage): the B operand of O = P V is MN-major.
-        sVt = cute.composition(
-            sV, cute.make_ordered_layout((self.d, self.tile_n, self.stages), order=(1, 0, 2))
-        )
-        tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
-        acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((self.tile_m, self.d)), Float32)
-        tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
-        s_shape = wg_qk.partition_shape_C((self.tile_m, self.tile_n))
-
-        # Score coordinates: this thread's (runtime) and thread 0's (compile-time) columns.
-        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
-        tScS = acc_rows_view(thr_qk.partition_C(cS))
-        t0ScS = acc_rows_view(tiled_mma_qk.get_slice(0).partition_C(cS))
+        ops = self.consumer_operands(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tidx)
+        ops.pipe_k, ops.pipe_v, ops.seqlen_k = pipe_k, pipe_v, seqlen_k
+        # Loops here touch ops only through calls on self: the DSL carries any object whose
+        # methods a loop body calls as loop state, compile-time shapes included.
+        acc_O = ops.acc_O
 
         self.sched_init()
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        causal = self.cfg.causal
-        ovl = self.cfg.intra_wg_overlap
         tile = Int32(cute.arch.block_idx()[0])
         while tile < num_tiles:
-            m_block, head, batch = self.tile_coords(tile, seqlen_q, seqlen_k, mQ.shape[2], mQ.shape[3])
+            m_block, head, batch = self.scheduler.coords(tile, seqlen_q, seqlen_k, mQ.shape[2], mQ.shape[3])
             n_block_max = self.n_blocks(m_block, seqlen_k)
             softmax = OnlineSoftmax(
-                scale_log2, cute.size(tScS, mode=[0]), self.cfg.rescale_threshold,
+                scale_log2, cute.size(ops.tScS, mode=[0]), self.cfg.rescale_threshold,
                 self.cfg.ex2_fma_per16,
-            )
-            ctx = SimpleNamespace(
-                tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
-                tOrVt=tOrVt, tOrP=tOrP, acc_O=acc_O, s_shape=s_shape, tScS=tScS, t0ScS=t0ScS,
-                softmax=softmax, pipe_k=pipe_k, pipe_v=pipe_v, m_block=m_block,
-                seqlen_k=seqlen_k,
             )
             acc_O.fill(0.0)
             pipe_q.consumer_wait(q_state)
-            # First (rightmost) block: the only one that can hold keys past seqlen_k.
-            n_first = n_block_max - 1
-            if const_expr(ovl):
-                pipe_k.consumer_wait(state)
-                acc_S = self.qk(ctx, state.index)
-                warpgroup.wait_group(0)
-                pipe_k.consumer_release(state)
-                self.apply_mask(ctx, acc_S, n_first, causal, True)
-                softmax.step(acc_S, is_first=True)
-                convert_to(wgmma.acc_as_operand_a(acc_S), tOrP)
-            else:
-                self.sched_sync()
-                state = self.step_serial(ctx, state, n_first, causal, True, True)
-            # Blocks crossing the diagonal still need the causal mask; the rest need none.
-            n_unmasked = n_first
-            if const_expr(causal):
-                n_unmasked = cutlass.min(n_first, (m_block * self.tile_m + 1) // self.tile_n)
-                for i in cutlass.range(n_first - n_unmasked, unroll=1):
-                    n_block = n_first - 1 - i
-                    if const_expr(ovl):
-                        state = self.step_overlap(ctx, state, n_block, True)
-                    else:
-                        state = self.step_serial(ctx, state, n_block, True, False, False)
-            for i in cutlass.range(n_unmasked, unroll=1):
-                n_block = n_unmasked - 1 - i
-                if const_expr(ovl):
-                    state = self.step_overlap(ctx, state, n_block, False)
-                else:
-                    state = self.step_serial(ctx, state, n_block, False, False, False)
+            state = self.mainloop(ops, softmax, state, m_block, n_block_max)
             # Every S of this tile is computed: the producer may load the next tile's Q.
             pipe_q.consumer_release(q_state)
             q_state.advance()
-            if const_expr(ovl):
+            if const_expr(self.cfg.intra_wg_overlap):
                 pipe_v.consumer_wait(state)
-                self.pv(ctx, state.index, 0)
+                self.pv(ops, state.index, 0)
                 pipe_v.consumer_release(state)
                 state.advance()
             else:
                 self.sched_pass()
 
             self.epilogue(
-                acc_O, softmax, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx,
+                acc_O, softmax, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, ops.thr_pv, tidx,
                 m_block, head, batch, seqlen_q,
             )
             tile += cute.arch.grid_dim()[0]
 
-    @cute.jit
-    def qk(self, ctx, stage):
-        acc_S = cute.make_rmem_tensor(ctx.s_shape, Float32)
-        wgmma.gemm(ctx.tiled_mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, stage], True, -1)
-        return acc_S
+    def consumer_operands(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tidx):
+        """This thread's MMA operands, built once per CTA and used by every tile."""
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_first_thread = cute.make_layout(self.num_wg, stride=128)
+        wg_qk = tiled_mma_qk.get_slice(wg_first_thread(wg))
+        wg_pv = tiled_mma_pv.get_slice(wg_first_thread(wg))
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        ops = SimpleNamespace(tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv)
+        ops.thr_pv = tiled_mma_pv.get_slice(tidx)
+        # Shared-memory descriptors, last mode the pipeline stage: Q (MMA, MMA_M, MMA_K),
+        # K (MMA, MMA_N, MMA_K, stage), and V^T (d, tile_n, stage), the MN-major B of O = P V.
+        ops.tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        ops.tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        ops.tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(transpose(sV)))
+        # Registers: O accumulator, P (16-bit A operand), and the shape of an S accumulator.
+        ops.acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((self.tile_m, self.d)), Float32)
+        ops.tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        ops.s_shape = wg_qk.partition_shape_C((self.tile_m, self.tile_n))
+        # (query, key) coordinates of this thread's scores (runtime) and thread 0's (compile-time).
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        ops.tScS = acc_rows_view(thr_qk.partition_C(cS))
+        ops.t0ScS = acc_rows_view(tiled_mma_qk.get_slice(0).partition_C(cS))
+        return ops
 
     @cute.jit
-    def pv(self, ctx, stage, wait: cutlass.Constexpr[int]):
-        wgmma.gemm(ctx.tiled_mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt[None, None, None, stage], False, wait)
-
-    @cute.jit
-    def rescale_o(self, ctx, row_scale):
-        if const_expr(self.cfg.rescale_threshold is not None):
-            if ctx.softmax.needs_rescale(row_scale):
-                scale_rows(ctx.acc_O, row_scale)
+    def mainloop(self, ops, softmax, state, m_block, n_block_max):
+        """Every key block of one tile, from the last (the only one that can hold keys past
+        seqlen_k) down to 0; blocks crossing the causal diagonal need the mask, the rest none.
+        With intra_wg_overlap the last block's P V is left for the caller to issue."""
+        n_first = n_block_max - 1
+        if const_expr(self.cfg.intra_wg_overlap):
+            ops.pipe_k.consumer_wait(state)
+            acc_S = self.qk(ops, state.index)
+            warpgroup.wait_group(0)
+            ops.pipe_k.consumer_release(state)
+            self.mask(ops, acc_S, m_block, n_first)
+            softmax.step(acc_S, is_first=True)
+            convert_to(wgmma.acc_as_operand_a(acc_S), ops.tOrP)
         else:
-            scale_rows(ctx.acc_O, row_scale)
+            self.sched_sync()
+            state = self.step_serial(ops, softmax, state, m_block, n_first, masked=True, is_first=True)
+        n_unmasked = n_first
+        if const_expr(self.cfg.causal):
+            n_unmasked = cutlass.min(n_first, (m_block * self.tile_m + 1) // self.tile_n)
+            for i in cutlass.range(n_first - n_unmasked, unroll=1):
+                state = self.step(ops, softmax, state, m_block, n_first - 1 - i, masked=True)
+        for i in cutlass.range(n_unmasked, unroll=1):
+            state = self.step(ops, softmax, state, m_block, n_unmasked - 1 - i, masked=False)
+        return state
 
     @cute.jit
-    def step_overlap(self, ctx, state, n_block, causal: cutlass.Constexpr[bool]):
+    def step(self, ops, softmax, state, m_block, n_block, masked: cutlass.Constexpr[bool]):
+        """Key block n_block after the first."""
+        if const_expr(self.cfg.intra_wg_overlap):
+            state = self.step_overlap(ops, softmax, state, m_block, n_block, masked=masked)
+        else:
+            state = self.step_serial(ops, softmax, state, m_block, n_block, masked=masked,
+                                     is_first=False)
+        return state
+
+    @cute.jit
+    def step_overlap(self, ops, softmax, state, m_block, n_block, masked: cutlass.Constexpr[bool]):
         """S_{j+1} and P_j V_j are issued together; softmax(S_{j+1}) overlaps P_j V_j."""
         v_state = state.clone()
         state.advance()
-        ctx.pipe_k.consumer_wait(state)
+        ops.pipe_k.consumer_wait(state)
         self.sched_sync()
-        acc_S = self.qk(ctx, state.index)
-        ctx.pipe_v.consumer_wait(v_state)
-        self.pv(ctx, v_state.index, -1)
+        acc_S = self.qk(ops, state.index)
+        ops.pipe_v.consumer_wait(v_state)
+        self.pv(ops, v_state.index, -1)
         self.sched_pass()
         warpgroup.wait_group(1)
-        ctx.pipe_k.consumer_release(state)
-        if const_expr(causal):
-            self.apply_mask(ctx, acc_S, n_block, True, False)
-        row_scale = ctx.softmax.step(acc_S, is_first=False)
+        ops.pipe_k.consumer_release(state)
+        if const_expr(masked):
+            self.mask(ops, acc_S, m_block, n_block)
+        row_scale = softmax.step(acc_S, is_first=False)
         warpgroup.wait_group(0)
-        ctx.pipe_v.consumer_release(v_state)
-        convert_to(wgmma.acc_as_operand_a(acc_S), ctx.tOrP)
-        self.rescale_o(ctx, row_scale)
+        ops.pipe_v.consumer_release(v_state)
+        convert_to(wgmma.acc_as_operand_a(acc_S), ops.tOrP)
+        self.rescale_o(ops, softmax, row_scale)
         return state
 
     @cute.jit
-    def step_serial(
-        self, ctx, state, n_block, causal: cutlass.Constexpr[bool], seq: cutlass.Constexpr[bool],
-        is_first: cutlass.Constexpr[bool],
-    ):
+    def step_serial(self, ops, softmax, state, m_block, n_block, masked: cutlass.Constexpr[bool],
+                    is_first: cutlass.Constexpr[bool]):
         """No overlap inside the warpgroup: S_j, softmax, then P_j V_j. The turn on the tensor
         cores spans P_{j-1} V_{j-1} (previous call) and S_j."""
-        ctx.pipe_k.consumer_wait(state)
-        acc_S = self.qk(ctx, state.index)
+        ops.pipe_k.consumer_wait(state)
+        acc_S = self.qk(ops, state.index)
         self.sched_pass()
         warpgroup.wait_group(0)
-        ctx.pipe_k.consumer_release(state)
-        if const_expr(causal or seq):
-            self.apply_mask(ctx, acc_S, n_block, causal, seq)
-        row_scale = ctx.softmax.step(acc_S, is_first=is_first)
-        convert_to(wgmma.acc_as_operand_a(acc_S), ctx.tOrP)
+        ops.pipe_k.consumer_release(state)
+        if const_expr(masked):
+            self.mask(ops, acc_S, m_block, n_block)
+        row_scale = softmax.step(acc_S, is_first=is_first)
+        convert_to(wgmma.acc_as_operand_a(acc_S), ops.tOrP)
         if const_expr(not is_first):
-            self.rescale_o(ctx, row_scale)
-        ctx.pipe_v.consumer_wait(state)
+            self.rescale_o(ops, softmax, row_scale)
+        ops.pipe_v.consumer_wait(state)
         self.sched_sync()
-        self.pv(ctx, state.index, 0)
-        ctx.pipe_v.consumer_release(state)
+        self.pv(ops, state.index, 0)
+        ops.pipe_v.consumer_release(state)
         state.advance()
         return state
 
     @cute.jit
-    def sched_init(self):
-        # The first consumer warpgroup may start at once: pre-arrive on its own barrier.
-        if const_expr(self.cfg.pingpong):
-            wg = cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // 128)
-            if wg == 1:
-                cute.arch.barrier_arrive(barrier_id=_BAR_SCHED0, number_of_threads=256)
+    def qk(self, ops, stage):
+        acc_S = cute.make_rmem_tensor(ops.s_shape, Float32)
+        wgmma.gemm(ops.tiled_mma_qk, acc_S, ops.tSrQ, ops.tSrK[None, None, None, stage], True, -1)
+        return acc_S
 
     @cute.jit
-    def apply_mask(
-        self, ctx, acc_S, n_block, causal: cutlass.Constexpr[bool], seq: cutlass.Constexpr[bool]
-    ):
-        """-inf for keys past seqlen_k (seq) and, under causal, keys after the query.
-        Columns are compared as thread 0's compile-time column against a per-thread limit."""
-        s = acc_rows_view(acc_S)
-        tScS, t0ScS = ctx.tScS, ctx.t0ScS
-        col0 = tScS[0, 0][1] + n_block * self.tile_n
-        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-            limit = ctx.seqlen_k - col0
-            if const_expr(causal):
-                row = tScS[r, 0][0] + ctx.m_block * self.tile_m
-                limit = cutlass.min(limit, row + 1 - col0)
-            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                if t0ScS[0, c][1] >= limit:
-                    s[r, c] = -Float32.inf
+    def pv(self, ops, stage, wait: cutlass.Constexpr[int]):
+        wgmma.gemm(ops.tiled_mma_pv, ops.acc_O, ops.tOrP, ops.tOrVt[None, None, None, stage], False, wait)
+
+    @cute.jit
+    def rescale_o(self, ops, softmax, row_scale):
+        if const_expr(self.cfg.rescale_threshold is not None):
+            if softmax.needs_rescale(row_scale):
+                scale_rows(ops.acc_O, row_scale)
+        else:
+            scale_rows(ops.acc_O, row_scale)
+
+    @cute.jit
+    def mask(self, ops, acc_S, m_block, n_block):
+        self.attention_mask.apply(acc_rows_view(acc_S), ops.tScS, ops.t0ScS, m_block, n_block,
+                                  ops.seqlen_k)
 
     @cute.jit
     def epilogue(
@@ -547,7 +481,7 @@ class FwdSm90:
         convert_to(acc_O, rO)
         # Every consumer is done with the staging buffer: Q's (non-persistent: all S are
         # computed) or the previous tile's O (its bulk store has read it, see below).
-        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
+        cute.arch.barrier(barrier_id=FwdBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
         st_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
         )
@@ -563,7 +497,7 @@ class FwdSm90:
                     mLSE[row, head, batch] = softmax.row_sum[r]
 
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
+        cute.arch.barrier(barrier_id=FwdBarrier.EPILOGUE, number_of_threads=self.num_mma_threads)
         if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 4:
             gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.d), (m_block, 0))
             tOsO, tOgO = cpasync.tma_partition(

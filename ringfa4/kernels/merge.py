@@ -13,16 +13,11 @@ read by every thread of its row and rewritten by one, after a block barrier: a b
 rows, so no thread can read a row's lse after it was replaced. Compiled once per (dtypes,
 head_dim); batch, sequence, heads and strides are symbolic, so views and new lengths reuse it.
 """
-from dataclasses import dataclass
-
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
 VEC = 8  # elements per thread: 16-byte accesses of bf16/fp16, two of fp32
 _MAX_THREADS = 128
-
-DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": Float32}
 
 
 class Merge:
@@ -77,38 +72,3 @@ class Merge:
         cute.arch.barrier()
         if inside and piece == 0:
             mLSE[batch, head, pos] = new_lse
-
-
-@dataclass(frozen=True)
-class MergeConfig:
-    """Compile-time values of the merge (compile cache key)."""
-
-    out_dtype: str  # "bf16" | "fp16" | "fp32": the running sum's dtype
-    part_dtype: str  # the step's partial output's dtype
-    head_dim: int
-
-    @property
-    def name(self) -> str:
-        return f"merge_{self.out_dtype}_{self.part_dtype}_d{self.head_dim}"
-
-    def compile_args(self):
-        b, s, h = (cute.sym_int() for _ in range(3))
-
-        def rows(dtype):
-            align = 16 // (dtype.width // 8)
-            stride = tuple(cute.sym_int64(divisibility=align) for _ in range(3)) + (1,)
-            return cute.runtime.make_fake_tensor(dtype, (b, s, h, self.head_dim), stride=stride,
-                                                 assumed_align=16)
-
-        lse = [cute.runtime.make_fake_tensor(Float32, (b, h, s), stride=(cute.sym_int64(), cute.sym_int64(), 1),
-                                             assumed_align=4) for _ in range(2)]
-        out_dtype, part_dtype = DTYPES[self.out_dtype], DTYPES[self.part_dtype]
-        return Merge(out_dtype, part_dtype, self.head_dim), (
-            rows(out_dtype), lse[0], rows(part_dtype), lse[1],
-            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-        )
-
-
-# Shipped merge variants: what a ring over the cute backend merges (two ranks sum in the input
-# dtype, more in fp32; see ringfa4.ring.attention._sum_dtype).
-VARIANTS = [MergeConfig(out, part, d) for part in ("bf16", "fp16") for out in (part, "fp32") for d in (64, 128)]

@@ -6,12 +6,15 @@ over the 4 threads of a quad, so row reductions are a local loop plus two butter
 Everything runs in the log2 domain: exp(s * scale) == exp2(s * scale * log2(e)).
 """
 import math
+import struct
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
-from cutlass._mlir.dialects import llvm
+from cutlass import Float32, const_expr
 from cutlass.cutlass_dsl import T, dsl_user_op
+
+from ringfa4.kernels.layout import acc_rows_view
+from ringfa4.kernels.ptx import inline_asm
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -21,31 +24,17 @@ LN_2 = math.log(2.0)
 # Its error bound is 8.6e-5, below the 1e-4 the kernel promises and far below bf16/fp16
 # rounding of P (3.9e-3 / 4.9e-4); tests/test_softmax_exp2.py re-measures it in fp32.
 EX2_POLY = (0.6951168179512024, 0.22764484584331512, 0.07706718146800995)
-# Scores scaled to log2 units never exceed the running max by more than this before O is
-# rescaled (FA4's threshold: a factor 256 of headroom, harmless in fp32 and for bf16 P).
-RESCALE_THRESHOLD_LOG2 = 8.0
 
 
 def _f32_hex(x: float) -> str:
-    import struct
-
     return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
 
 
 @dsl_user_op
 def ex2_mufu(x: Float32, *, loc=None, ip=None) -> Float32:
-    """2**x on the special-function unit (MUFU.EX2); no side effects so ptxas can schedule it."""
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [Float32(x).ir_value(loc=loc, ip=ip)],
-            "ex2.approx.ftz.f32 $0, $1;",
-            "=f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    """2**x on the special-function unit (MUFU.EX2)."""
+    return Float32(inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)],
+                              "ex2.approx.ftz.f32 $0, $1;", "=f,f"))
 
 
 _EX2_FMA_ASM = (
@@ -75,58 +64,7 @@ _EX2_FMA_ASM = (
 @dsl_user_op
 def ex2_fma(x: Float32, *, loc=None, ip=None) -> Float32:
     """2**x on the FMA/ALU pipes: Cody-Waite range split plus a degree-3 polynomial."""
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [Float32(x).ir_value(loc=loc, ip=ip)],
-            _EX2_FMA_ASM,
-            "=f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
-@dsl_user_op
-def cvt_pair(a: Float32, b: Float32, to_bf16: bool, *, loc=None, ip=None) -> Int32:
-    """Two fp32 values rounded to one packed bf16x2/f16x2 register (a in the low half)."""
-    return Int32(
-        llvm.inline_asm(
-            T.i32(),
-            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-            f"cvt.rn.{'bf16x2' if to_bf16 else 'f16x2'}.f32 $0, $2, $1;",
-            "=r,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
-@cute.jit
-def convert_to(src: cute.Tensor, dst: cute.Tensor):
-    """fp32 register tensor -> bf16/fp16 register tensor, two elements per instruction."""
-    dst_i32 = cute.recast_tensor(dst, Int32)
-    to_bf16 = const_expr(dst.element_type is cutlass.BFloat16)
-    for i in cutlass.range_constexpr(cute.size(dst_i32)):
-        dst_i32[i] = cvt_pair(src[2 * i], src[2 * i + 1], to_bf16)
-
-
-def acc_rows_view(acc: cute.Tensor) -> cute.Tensor:
-    """View a wgmma accumulator ((2, 2, N/8), MMA_M, MMA_N) as (rows, cols) of this thread."""
-    lay = cute.make_layout(acc.layout.shape)
-    shape = (
-        (lay.shape[0][1], lay.shape[1]),
-        (lay.shape[0][0], *lay.shape[0][2:], lay.shape[2]),
-    )
-    stride = (
-        (lay.stride[0][1], lay.stride[1]),
-        (lay.stride[0][0], *lay.stride[0][2:], lay.stride[2]),
-    )
-    return cute.make_tensor(
-        acc.iterator, cute.composition(acc.layout, cute.make_layout(shape, stride=stride))
-    )
+    return Float32(inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], _EX2_FMA_ASM, "=f,f"))
 
 
 @cute.jit

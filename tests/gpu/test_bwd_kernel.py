@@ -10,15 +10,17 @@ import sys
 import pytest
 import torch
 
+import ringfa4
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from reference import attention_fp64  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
-    from ringfa4.kernels import bwd_sm90
+    import ringfa4.backends.cute as cute_backend
+    from ringfa4.backends.cute.query_state import QueryRows, QueryState
 else:
-    bwd_sm90 = None
     pytestmark = [pytest.mark.gpu, pytest.mark.skip(reason="needs a Hopper (sm_90) GPU")]
 
 
@@ -86,7 +88,7 @@ def test_gradients_match_fp64_reference(b, sq, sk, h, hk, d, causal, dtype):
     q, k, v, dout = _inputs(b, sq, sk, h, hk, d, dtype, seed=sq * 31 + d, offset=3 * (b + 1))
     out, lse, g64, glow = _references(q, k, v, dout, causal, scale)
     _poison_allocator(q, k, v, q.float())
-    grads = bwd_sm90.backward(dout, q, k, v, out, lse, causal, scale)
+    grads = cute_backend.backward(dout, q, k, v, out, lse, causal, scale)
     for name, got, r64, rlow, like in zip("dq dk dv".split(), grads, g64, glow, (q, k, v)):
         assert got.dtype == like.dtype and got.shape == like.shape, name
         _assert_close(name, got, r64, rlow)
@@ -104,7 +106,7 @@ def test_rows_with_no_visible_key_contribute_zero():
     lse[:, :, dead] = -math.inf
     live_dout = dout.masked_fill(dead[None, :, None, None], 0)
     _, _, g64, glow = _references(q, k, v, live_dout, False, d ** -0.5)
-    dq, dk, dv = bwd_sm90.backward(dout, q, k, v, out, lse, False, d ** -0.5)
+    dq, dk, dv = cute_backend.backward(dout, q, k, v, out, lse, False, d ** -0.5)
     assert (dq[:, dead] == 0).all()
     _assert_close("dq", dq, g64[0], glow[0])
     _assert_close("dk", dk, g64[1], glow[1])
@@ -116,8 +118,8 @@ def test_deterministic_mode_is_bit_identical_run_to_run(causal, hk):
     b, s, h, d = 2, 1536, 4, 128
     q, k, v, dout = _inputs(b, s, s, h, hk, d, torch.bfloat16, seed=11)
     out, lse, g64, glow = _references(q, k, v, dout, causal, d ** -0.5)
-    first = bwd_sm90.backward(dout, q, k, v, out, lse, causal, d ** -0.5, deterministic=True)
-    second = bwd_sm90.backward(dout, q, k, v, out, lse, causal, d ** -0.5, deterministic=True)
+    first = cute_backend.backward(dout, q, k, v, out, lse, causal, d ** -0.5, deterministic=True)
+    second = cute_backend.backward(dout, q, k, v, out, lse, causal, d ** -0.5, deterministic=True)
     for name, a, c, r64, rlow in zip("dq dk dv".split(), first, second, g64, glow):
         assert torch.equal(a, c), f"{name} differs between two deterministic runs"
         _assert_close(name, a, r64, rlow)
@@ -130,7 +132,7 @@ def test_fp32_buffers_receive_gradients_added(deterministic):
     out, lse, g64, glow = _references(q, k, v, dout, True, d ** -0.5)
     init = [torch.randn(t.shape, device="cuda") for t in (q, k, v)]
     bufs = [t.clone() for t in init]
-    res = bwd_sm90.backward(dout, q, k, v, out, lse, True, d ** -0.5, *bufs,
+    res = cute_backend.backward(dout, q, k, v, out, lse, True, d ** -0.5, *bufs,
                             deterministic=deterministic)
     for name, r, buf, i, r64, rlow in zip("dq dk dv".split(), res, bufs, init, g64, glow):
         assert r is buf, f"{name}: the given buffer must be returned"
@@ -153,7 +155,7 @@ def test_backward_with_merged_lse_over_two_kv_halves_equals_full_backward():
     dk = torch.zeros(k.shape, device="cuda")
     dv = torch.zeros(v.shape, device="cuda")
     for sl in (slice(0, half), slice(half, sk)):
-        bwd_sm90.backward(dout, q, k[:, sl], v[:, sl], out, merged, False, scale,
+        cute_backend.backward(dout, q, k[:, sl], v[:, sl], out, merged, False, scale,
                           dq, dk[:, sl], dv[:, sl])
     _assert_close("dq", dq, g64[0], glow[0])
     _assert_close("dk", dk, g64[1], glow[1])
@@ -171,16 +173,16 @@ def test_query_state_sums_calls_over_row_chunks_like_one_backward(deterministic)
     q, k, v, dout = _inputs(b, sq, sk, h, hk, d, torch.bfloat16, seed=13, offset=8)
     out, lse, g64, glow = _references(q, k, v, dout, False, scale)
     _poison_allocator(q, k, v)
-    state = bwd_sm90.QueryState(dout, q, out, lse, scale)
+    state = QueryState(dout, q, out, lse, scale)
     dk = torch.zeros(k.shape, device="cuda")
     dv = torch.zeros(v.shape, device="cuda")
     pieces = [(slice(0, 256), slice(0, sk)), (slice(256, sq), slice(0, 512)),
               (slice(256, sq), slice(512, sk))]
     for rows, keys in pieces:
-        got = bwd_sm90.backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows],
+        got = cute_backend.backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows],
                                 lse[:, :, rows], False, scale, state.rows(rows), dk[:, keys],
                                 dv[:, keys], deterministic=deterministic)
-        assert isinstance(got[0], bwd_sm90.QueryRows)
+        assert isinstance(got[0], QueryRows)
     dq = state.dq()
     assert dq.dtype == q.dtype and dq.shape == q.shape
     _assert_close("dq", dq, g64[0], glow[0])
@@ -191,24 +193,20 @@ def test_query_state_sums_calls_over_row_chunks_like_one_backward(deterministic)
 def test_query_state_refuses_rows_off_its_tiles_and_another_scale():
     q, k, v, dout = _inputs(1, 300, 300, 2, 2, 128, torch.bfloat16, seed=2)
     out, lse, _, _ = _references(q, k, v, dout, False, 0.1)
-    state = bwd_sm90.QueryState(dout, q, out, lse, 0.1)
+    state = QueryState(dout, q, out, lse, 0.1)
     for bad in (slice(10, 300), slice(0, 100), slice(0, 300, 2), slice(64, 64)):
         with pytest.raises(ValueError, match="rows must be"):
             state.rows(bad)
     with pytest.raises(ValueError, match="softmax_scale"):
-        bwd_sm90.backward(dout, q, k, v, out, lse, False, 0.2, state.rows(slice(0, 300)))
+        cute_backend.backward(dout, q, k, v, out, lse, False, 0.2, state.rows(slice(0, 300)))
 
 
-def test_bad_inputs_are_refused_with_the_argument_named():
-    q, k, v, dout = _inputs(1, 128, 128, 2, 2, 128, torch.bfloat16, seed=1)
-    out = torch.zeros_like(q)
-    lse = torch.zeros(1, 2, 128, device="cuda")
+def test_inputs_the_kernels_cannot_take_are_refused_with_the_argument_named():
+    """ringfa4.attention checks once per call (the backend then trusts its arguments)."""
+    q, k, v, _ = _inputs(1, 128, 128, 2, 2, 128, torch.bfloat16, seed=1)
     with pytest.raises(ValueError, match="head_dim"):
-        bwd_sm90.backward(dout[..., :96], q[..., :96], k[..., :96], v[..., :96],
-                          out[..., :96], lse, False, 0.1)
-    with pytest.raises(ValueError, match="lse"):
-        bwd_sm90.backward(dout, q, k, v, out, lse.double(), False, 0.1)
+        ringfa4.attention(q[..., :96], k[..., :96], v[..., :96], backend="cute")
     with pytest.raises(ValueError, match="causal"):
-        bwd_sm90.backward(dout, q, k[:, :64], v[:, :64], out, lse, True, 0.1)
-    with pytest.raises(ValueError, match="k must"):
-        bwd_sm90.backward(dout, q, k.float(), v, out, lse, False, 0.1)
+        ringfa4.attention(q, k[:, :64], v[:, :64], causal=True, backend="cute")
+    with pytest.raises(TypeError, match="k.dtype"):
+        ringfa4.attention(q, k.float(), v, backend="cute")

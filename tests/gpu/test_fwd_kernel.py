@@ -17,7 +17,8 @@ pytestmark = pytest.mark.gpu
 
 if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
     import ringfa4.backends.cute as cute_backend
-    from ringfa4.kernels import compile as kc
+    from ringfa4.backends.cute import compile as kc
+    from ringfa4.backends.cute.configs import fwd_variant
 else:
     pytestmark = [pytest.mark.gpu, pytest.mark.skip(reason="needs a Hopper (sm_90) GPU")]
 
@@ -153,7 +154,7 @@ def test_technique_switches_keep_results_exact(flags, causal):
     q, k, v = _inputs(2, 2000, 2000, 8, 2, 128, torch.bfloat16, seed)
     out, lse = _poisoned(q)
     _check(q, k, v, causal, None, seed, out=out, lse=lse,
-           config=kc.fwd_variant("bf16", 128, causal, **flags))
+           config=fwd_variant("bf16", 128, causal, **flags))
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -165,7 +166,7 @@ def test_persistent_ctas_running_many_tiles_each(d, causal):
     q, k, v = _inputs(3, 1111, 1111, 4, 2, d, torch.bfloat16, seed)
     out, lse = _poisoned(q)
     # 128-key tiles: persistent CTAs' separate O buffer does not fit beside 176-key K/V stages.
-    fn = kc.compile_variant(kc.fwd_variant("bf16", d, causal, persistent=True, tile_n=128))
+    fn = kc.compile_variant(fwd_variant("bf16", d, causal, persistent=True, tile_n=128))
     fn(q, k, v, out, lse, d ** -0.5, 7)
     ref_out, ref_lse = torch_ref.forward(*(t.double() for t in (q, k, v)), causal, d ** -0.5)
     pt_out, pt_lse = _lowp_reference(q, k, v, causal, d ** -0.5)

@@ -1,0 +1,133 @@
+"""Compile-time configurations of our CuTe kernels, and the shipped variants.
+
+A configuration holds every compile-time value of one kernel (the compile cache is keyed on
+it) and names it; ringfa4.backends.cute.compile turns it into a kernel. Plain data: importing
+this module needs no nvidia-cutlass-dsl.
+"""
+from dataclasses import dataclass, replace
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class FwdSm90Config:
+    """The forward kernel (ringfa4.kernels.fwd_sm90): tiles, pipeline depth and the technique
+    switches its docstring describes."""
+
+    dtype: str  # "bf16" | "fp16"
+    head_dim: int
+    causal: bool
+    tile_m: int
+    tile_n: int
+    num_stages: int = 2
+    intra_wg_overlap: bool = True
+    pingpong: bool = True
+    # Log2 units the running max may grow by before O is rescaled (FA4's threshold: a factor
+    # 256 of headroom, harmless in fp32 and for bf16 P); None rescales on every growth.
+    rescale_threshold: Optional[float] = 8.0
+    ex2_fma_per16: int = 0
+    lpt: bool = False
+    persistent: bool = False
+
+    @property
+    def name(self) -> str:
+        flags = [
+            "ovl" if self.intra_wg_overlap else "noovl",
+            "pp" if self.pingpong else "nopp",
+            f"rs{self.rescale_threshold:g}" if self.rescale_threshold is not None else "rsalways",
+            f"ex{self.ex2_fma_per16}",
+        ] + (["lpt"] if self.lpt else []) + (["persist"] if self.persistent else [])
+        return (
+            f"fwd_sm90_{self.dtype}_d{self.head_dim}_{'causal' if self.causal else 'full'}"
+            f"_{self.tile_m}x{self.tile_n}s{self.num_stages}_" + "_".join(flags)
+        )
+
+
+@dataclass(frozen=True)
+class BwdSm90Config:
+    """The backward kernel (ringfa4.kernels.bwd_sm90)."""
+
+    dtype: str  # "bf16" | "fp16"
+    head_dim: int
+    causal: bool
+    deterministic: bool
+    dkv_fp32: bool  # dk, dv are fp32 buffers the kernel adds into (else written in dtype)
+
+    @property
+    def name(self) -> str:
+        return (f"bwd_sm90_{self.dtype}_d{self.head_dim}_{'causal' if self.causal else 'full'}"
+                f"_{'det' if self.deterministic else 'atomic'}"
+                f"_{'dkvadd32' if self.dkv_fp32 else 'dkvstore'}")
+
+
+@dataclass(frozen=True)
+class BwdPreprocessConfig:
+    """The backward's preprocess (ringfa4.kernels.bwd_preprocess)."""
+
+    dtype: str  # "bf16" | "fp16"
+    head_dim: int
+
+    @property
+    def name(self) -> str:
+        return f"bwd_preprocess_{self.dtype}_d{self.head_dim}"
+
+
+@dataclass(frozen=True)
+class DqPostprocessConfig:
+    """The backward's dQ postprocess (ringfa4.kernels.bwd_postprocess)."""
+
+    dtype: str  # of dq: "bf16" | "fp16" | "fp32"
+    head_dim: int
+    add: bool  # add into dq (else overwrite it)
+
+    @property
+    def name(self) -> str:
+        return f"bwd_dq_postprocess_{self.dtype}_d{self.head_dim}_{'add' if self.add else 'store'}"
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    """The ring's merge (ringfa4.kernels.merge)."""
+
+    out_dtype: str  # "bf16" | "fp16" | "fp32": the running sum's dtype
+    part_dtype: str  # the step's partial output's dtype
+    head_dim: int
+
+    @property
+    def name(self) -> str:
+        return f"merge_{self.out_dtype}_{self.part_dtype}_d{self.head_dim}"
+
+
+def fwd_defaults(dtype: str, head_dim: int, causal: bool) -> FwdSm90Config:
+    """The configuration `forward` uses for these inputs, chosen from side-by-side runs on H100
+    (bench/RESULTS.md, kernel section): three consumer warpgroups (192-row tiles) at head dim
+    64, persistent when not causal; 128-row tiles at 128, with 176-key blocks when not causal
+    (fewer, longer softmax/rescale steps) and LPT order when causal."""
+    if head_dim <= 64:
+        return FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=192,
+                             tile_n=128, lpt=causal, persistent=not causal)
+    return FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=128,
+                         tile_n=128 if causal else 176, lpt=causal)
+
+
+def fwd_variant(dtype: str, head_dim: int, causal: bool, **overrides) -> FwdSm90Config:
+    """The default configuration with some fields replaced (benchmarks, technique tests)."""
+    return replace(fwd_defaults(dtype, head_dim, causal), **overrides)
+
+
+# The shipped variants (`python -m ringfa4.kernels --dump` compiles each): the forward's
+# defaults; the backward's preprocess, main kernel (every causal / deterministic / dK-dV mode)
+# and dQ postprocess (dq fresh or given in the input dtype, or an fp32 dq to add into); and the
+# ring's merge (two ranks sum in the input dtype, more in fp32: ringfa4.ring.attention._sum_dtype).
+_DTYPES = ("bf16", "fp16")
+_HEAD_DIMS = (64, 128)
+VARIANTS = (
+    [fwd_defaults(dt, d, c) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)]
+    + [BwdPreprocessConfig(dt, d) for dt in _DTYPES for d in _HEAD_DIMS]
+    + [DqPostprocessConfig(dt, d, add)
+       for d in _HEAD_DIMS
+       for dt, add in (("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True), ("fp32", True))]
+    + [BwdSm90Config(dt, d, c, det, f32)
+       for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)
+       for det in (False, True) for f32 in (False, True)]
+    + [MergeConfig(out, part, d) for part in _DTYPES for out in (part, "fp32") for d in _HEAD_DIMS]
+)

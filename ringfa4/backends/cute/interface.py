@@ -1,0 +1,154 @@
+"""The backend contract (ringfa4.backends) for our CuTe kernels on Hopper: which inputs they
+take, and the allocation and launch of the forward and backward.
+
+Arguments arrive checked: ringfa4.api validates them once per call and asks unsupported_reason
+once when it chooses the backend, so forward and backward do not check them again (a ring calls
+them once per step). What they do check is what only direct callers pass: preallocated outputs,
+a forward configuration, a QueryRows of another scale.
+"""
+import importlib.util
+import math
+
+import torch
+
+from ringfa4.backends import DqBuffer
+from ringfa4.backends.cute.configs import BwdSm90Config, fwd_defaults
+from ringfa4.backends.cute.launch import compiled, num_sms, query_tile
+from ringfa4.backends.cute.query_state import (QueryRows, QueryState, padded_rows, postprocess_dq,
+                                               query_rows)
+from ringfa4.backends.cute.tensors import (DTYPE_NAMES, INPUT_DTYPES, layout_reason, tma_compatible,
+                                           tma_ready)
+
+HEAD_DIMS = (64, 128)
+
+
+def unsupported_reason(q, k, v, causal, grad):
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        return f"cute kernels run on CUDA tensors only, got devices {q.device}, {k.device}, {v.device}"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if (major, minor) != (9, 0):
+        return f"cute kernels are built for Hopper (sm_90), this GPU is sm_{major}{minor}"
+    if q.dtype not in INPUT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"cute kernels take bfloat16 or float16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "q, k, v must be 4-D (batch, seq, heads, head_dim)"
+    d = q.shape[-1]
+    if d not in HEAD_DIMS or k.shape[-1] != d or v.shape[-1] != d:
+        return f"cute kernels support head_dim in {HEAD_DIMS} (same for q, k, v), got {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}"
+    if causal and q.shape[1] != k.shape[1]:
+        return f"cute causal attention needs equal query and key lengths, got {q.shape[1]} and {k.shape[1]}"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        reason = layout_reason(name, t)
+        if reason:
+            return reason
+    if importlib.util.find_spec("cutlass") is None:
+        return "nvidia-cutlass-dsl is not installed"
+    return None
+
+
+def _scale(softmax_scale, head_dim):
+    return head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+
+
+def _check_given(name, t, shape, dtype, device):
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
+        raise ValueError(
+            f"{name} must be a {dtype} tensor of shape {tuple(shape)} on {device}, "
+            f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+        )
+
+
+def _forward_outputs(q, out, lse):
+    """(out, lse) to write: the given ones, checked, or new ones."""
+    b, sq, h, _ = q.shape
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        _check_given("out", out, q.shape, q.dtype, q.device)
+        reason = layout_reason("out", out)
+        if reason:
+            raise ValueError(reason)
+    if lse is None:
+        lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    else:
+        _check_given("lse", lse, (b, h, sq), torch.float32, q.device)
+        if lse.stride(-1) != 1:
+            raise ValueError(f"lse must have a contiguous last dimension, got strides {lse.stride()}")
+    return out, lse
+
+
+def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None):
+    """(out, lse). ``out`` (like q) and ``lse`` (float32, (b, h, sq), contiguous last dim) may be
+    given preallocated; they are then written and returned. ``config`` (a
+    ringfa4.backends.cute.configs.FwdSm90Config for these dtype/head_dim/causal) replaces the
+    default kernel configuration, for benchmarks and tests of the technique switches."""
+    d = q.shape[-1]
+    out, lse = _forward_outputs(q, out, lse)
+    if out.numel() == 0:
+        return out, lse
+    if k.shape[1] == 0:  # no keys at all: every row is fully masked
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out, lse
+    if config is None:
+        config = fwd_defaults(DTYPE_NAMES[q.dtype], d, causal)
+    elif (config.dtype, config.head_dim, config.causal) != (DTYPE_NAMES[q.dtype], d, causal):
+        raise ValueError(f"config {config.name} does not match dtype={q.dtype}, head_dim={d}, causal={causal}")
+    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    compiled(config)(q.detach(), k.detach(), v.detach(), out.detach(), lse, _scale(softmax_scale, d),
+                     num_sms(device))
+    return out, lse
+
+
+def _added(given, fresh):
+    """fresh, or given += fresh (returned) when a buffer was given."""
+    return fresh if given is None else given.add_(fresh)
+
+
+def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, dv=None,
+             deterministic=False):
+    """Gradients of attention with the softmax normalised by the given lse. Given dq/dk/dv
+    receive the gradients added to what they hold (fp32 dk/dv by the kernel itself; dq by the
+    postprocess that reads the kernel's accumulator). dq may also be the QueryRows of these
+    queries (query_state): the kernel then adds into its accumulator and uses its lse2 and
+    delta (lse and out are not read again) and returns it as dq."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    scale = _scale(softmax_scale, d)
+    if min(b, sq, sk) == 0:  # nothing to launch: no query sees a key, every gradient is zero
+        return tuple(_added(buf, torch.zeros_like(t)) for buf, t in ((dq, q), (dk, k), (dv, v)))
+    dout = tma_ready(dout)
+    if isinstance(dq, QueryRows):
+        if dq.softmax_scale != scale:
+            raise ValueError(f"softmax_scale ({scale}) must be the one of dq's QueryState "
+                             f"({dq.softmax_scale})")
+        rows = dq
+    else:
+        rows = query_rows(dout, out, lse, scale)
+
+    # fp32 dk/dv the kernel can address are added into by the kernel; else it writes new ones.
+    dkv_fp32 = all(t is not None and t.dtype == torch.float32 and tma_compatible(t) for t in (dk, dv))
+    dk_out, dv_out = (dk, dv) if dkv_fp32 else (torch.empty_like(k, memory_format=torch.contiguous_format),
+                                                torch.empty_like(v, memory_format=torch.contiguous_format))
+    sem = (torch.zeros((b, h, padded_rows(sq, d) // query_tile(d)), dtype=torch.int32, device=q.device)
+           if deterministic else None)
+    config = BwdSm90Config(DTYPE_NAMES[q.dtype], d, bool(causal), bool(deterministic), dkv_fp32)
+    compiled(config)(q.detach(), k.detach(), v.detach(), dout, rows.lse2, rows.delta, rows.dq_acc,
+                     dk_out, dv_out, sem, scale)
+
+    if rows is not dq:  # dq <- (or +=) the accumulator; a dq it cannot address gets a fresh one added
+        add = dq is not None and tma_compatible(dq)
+        dq_out = dq if add else torch.empty_like(q, memory_format=torch.contiguous_format)
+        postprocess_dq(rows.dq_acc, dq_out, add)
+        dq = dq_out if add else _added(dq, dq_out)
+    if not dkv_fp32:
+        dk, dv = _added(dk, dk_out), _added(dv, dv_out)
+    return dq, dk, dv
+
+
+def query_state(dout, q, out, lse, softmax_scale, chunk):
+    """The backward kernel's QueryState when the steps' rows start on its query tiles (chunks of
+    whole tiles, or every step over all rows); DqBuffer otherwise."""
+    if chunk < q.shape[1] and chunk % query_tile(q.shape[-1]):
+        return DqBuffer(q, lse)
+    return QueryState(dout, q, out, lse, _scale(softmax_scale, q.shape[-1]))

@@ -1,0 +1,26 @@
+"""The one door from the host code to the kernels package. ringfa4.kernels pins the DSL's target
+arch (sm_90a) and the compiler imports nvidia-cutlass-dsl; both happen on the first use by the
+cute backend, which has checked for a Hopper GPU, never when a backend is merely chosen, so
+another backend on another GPU (upstream FA4 on Blackwell) keeps the DSL's own arch."""
+import functools
+
+import torch
+
+
+def compiled(config):
+    """The compiled kernel of ``config`` (ringfa4.backends.cute.configs), cached."""
+    from ringfa4.backends.cute.compile import compile_variant
+
+    return compile_variant(config)
+
+
+def query_tile(head_dim):
+    """Rows of the backward kernel's query tile (ringfa4.kernels.dq_layout)."""
+    from ringfa4.kernels.dq_layout import query_tile
+
+    return query_tile(head_dim)
+
+
+@functools.cache
+def num_sms(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

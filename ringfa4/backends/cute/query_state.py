@@ -1,0 +1,81 @@
+"""The backward's per-query work, done once per set of queries: the preprocess (lse in log2
+units, delta = scale * rowsum(dO * O)), the fragment-order dQ accumulator the backward kernel
+adds into (ringfa4.kernels.dq_layout) and the postprocess that puts dQ back in (b, s, h, d)."""
+from dataclasses import dataclass
+
+import torch
+
+from ringfa4.backends.cute.configs import BwdPreprocessConfig, DqPostprocessConfig
+from ringfa4.backends.cute.launch import compiled, query_tile
+from ringfa4.backends.cute.tensors import DTYPE_NAMES, rows_ready, tma_ready
+
+
+@dataclass(frozen=True)
+class QueryRows:
+    """Whole query tiles of a QueryState, as views at their first tile: what a backward call
+    over those rows reads (lse2, delta) and adds its dQ into."""
+
+    dq_acc: torch.Tensor  # (b, h, tiles * tile_m * head_dim) fp32, fragment order
+    lse2: torch.Tensor  # (b, h, tiles * tile_m) fp32, lse in log2 units
+    delta: torch.Tensor  # (b, h, tiles * tile_m) fp32, softmax_scale * rowsum(dO * O)
+    softmax_scale: float  # the one folded into delta
+
+
+def padded_rows(s, head_dim):
+    """s query rows rounded up to whole query tiles."""
+    tile_m = query_tile(head_dim)
+    return (s + tile_m - 1) // tile_m * tile_m
+
+
+def query_rows(dout, out, lse, softmax_scale):
+    """Preprocessed rows of (dout, out, lse) with a zeroed dQ accumulator."""
+    b, s, h, d = out.shape
+    padded = padded_rows(s, d)
+    dev = out.device
+    rows = QueryRows(torch.zeros((b, h, padded * d), dtype=torch.float32, device=dev),
+                     torch.empty((b, h, padded), dtype=torch.float32, device=dev),
+                     torch.empty((b, h, padded), dtype=torch.float32, device=dev),
+                     float(softmax_scale))
+    compiled(BwdPreprocessConfig(DTYPE_NAMES[out.dtype], d))(
+        tma_ready(out), tma_ready(dout), rows_ready(lse.detach()), rows.lse2, rows.delta,
+        rows.softmax_scale)
+    return rows
+
+
+def postprocess_dq(dq_acc, dq, add):
+    """dq <- (add: +=) the accumulator, in dq's dtype; dq must be TMA-addressable."""
+    compiled(DqPostprocessConfig(DTYPE_NAMES[dq.dtype], dq.shape[-1], add))(dq_acc, dq)
+
+
+class QueryState:
+    """What the backward calls over one set of queries share when they differ only in the keys
+    (the steps of a ring): lse2 and delta from one preprocess pass, and one fragment-order dQ
+    accumulator that every call adds into and `dq()` puts back in (b, s, h, d) once. Per call
+    that saves a preprocess pass, zeroing an accumulator and a postprocess pass adding it into
+    an fp32 dq; and the fp32 dq itself.
+
+    ``rows(sl)`` is what a call over the query rows ``sl`` takes as its ``dq``: sl must start
+    on a query tile (a multiple of query_tile(head_dim)) and end on one or at the end."""
+
+    def __init__(self, dout, q, out, lse, softmax_scale):
+        b, s, h, d = q.shape
+        self.shape, self.dtype, self.tile_m = (b, s, h, d), q.dtype, query_tile(d)
+        self._all = query_rows(dout, out, lse, softmax_scale)
+
+    def rows(self, sl: slice) -> QueryRows:
+        s, d, tile_m = self.shape[1], self.shape[3], self.tile_m
+        start, stop, step = sl.indices(s)
+        if step != 1 or start % tile_m or (stop % tile_m and stop != s) or start >= stop:
+            raise ValueError(f"rows must be a non-empty slice of step 1 from a multiple of {tile_m} "
+                             f"to a multiple of {tile_m} or the end ({s}), got {sl}")
+        first, end = start // tile_m, (stop + tile_m - 1) // tile_m
+        stats = slice(first * tile_m, end * tile_m)
+        acc = slice(first * tile_m * d, end * tile_m * d)
+        return QueryRows(self._all.dq_acc[:, :, acc], self._all.lse2[:, :, stats],
+                         self._all.delta[:, :, stats], self._all.softmax_scale)
+
+    def dq(self) -> torch.Tensor:
+        """The summed dQ of every call so far, in the queries' dtype."""
+        dq = torch.empty(self.shape, dtype=self.dtype, device=self._all.dq_acc.device)
+        postprocess_dq(self._all.dq_acc, dq, add=False)
+        return dq

@@ -1,0 +1,66 @@
+"""Which work a CTA does next.
+
+The forward's work tiles are (query block, head, batch); a CTA takes tile blockIdx.x, then
+(persistent) every grid-size-th one. With LPT ("longest processing time first", for causal),
+heads are taken in groups whose K and V fit in L2 together, and within a group the query blocks
+run last-first: the longest causal tiles start first and the short ones fill the tail.
+
+The backward's CTA owns one KV block and walks (query head of its kv head's group, query block)
+pairs, query blocks fastest.
+"""
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+
+# Bytes of L2 the LPT order plans to keep K/V of a head group in (H100/H200 have 50/60 MB).
+L2_BUDGET = 32 * 1024 * 1024
+
+
+class FwdTileScheduler:
+    """tile_m: query rows per tile. kv_row_bytes: bytes of one key's K and V rows."""
+
+    def __init__(self, tile_m: int, kv_row_bytes: int, lpt: bool):
+        self.tile_m = tile_m
+        self.kv_row_bytes = kv_row_bytes
+        self.lpt = lpt
+
+    @cute.jit
+    def coords(self, tile: Int32, seqlen_q: Int32, seqlen_k: Int32, heads: Int32, batch: Int32):
+        """(m_block, head, batch) of work tile ``tile``."""
+        num_m = (seqlen_q + self.tile_m - 1) // self.tile_m
+        num_bh = heads * batch
+        m_block = Int32(0)
+        bh = Int32(0)
+        if const_expr(self.lpt):
+            kv_bytes = seqlen_k * self.kv_row_bytes
+            group = cutlass.max(Int32(1), cutlass.min(num_bh, Int32(L2_BUDGET) // cutlass.max(kv_bytes, Int32(1))))
+            g = tile // (group * num_m)
+            first = g * group
+            in_group = cutlass.min(group, num_bh - first)
+            r = tile - first * num_m
+            m_block = num_m - 1 - r // in_group
+            bh = first + r % in_group
+        else:
+            m_block = tile % num_m
+            bh = tile // num_m
+        return m_block, bh % heads, bh // heads
+
+
+@dataclass(frozen=True)
+class BwdStepScheduler:
+    """Steps of a backward CTA: step i is query block m_block_min + i % steps_per_head of query
+    head first_head + i // steps_per_head (the query heads sharing the CTA's kv head). Frozen:
+    the DSL then reads it inside run-time loops instead of carrying it as loop state."""
+
+    first_head: Int32
+    m_block_min: Int32
+    steps_per_head: Int32
+
+    @cute.jit
+    def coords(self, step):
+        """(head, m_block) of step ``step``."""
+        g = step // self.steps_per_head
+        m_block = self.m_block_min + step - g * self.steps_per_head
+        return self.first_head + g, m_block
