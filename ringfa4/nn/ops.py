@@ -22,6 +22,12 @@ def _lse_dtype(q):
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
+def _contiguous(tensors):
+    """The operators' results are contiguous, as their fake implementations say (compiled code
+    relies on it); a backend may return views (the torch one does), the kernels do not."""
+    return tuple(t.contiguous() for t in tensors)
+
+
 def _backend_for(name, q, k, v, causal):
     _check_qkv(q, k, v, causal)
     return _choose_backend(name, q, k, v, causal)
@@ -31,7 +37,7 @@ def _backend_for(name, q, k, v, causal):
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float,
               backend: str) -> tuple[Tensor, Tensor]:
     """(out, lse) of attention on one device; see ringfa4.attention."""
-    return _backend_for(backend, q, k, v, causal).forward(q, k, v, causal, softmax_scale)
+    return _contiguous(_backend_for(backend, q, k, v, causal).forward(q, k, v, causal, softmax_scale))
 
 
 @attention.register_fake
@@ -44,7 +50,7 @@ def _(q, k, v, causal, softmax_scale, backend):
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
                        softmax_scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     module = _backend_for(backend, q, k, v, causal)
-    return tuple(module.backward(dout.contiguous(), q, k, v, out, lse, causal, softmax_scale))
+    return _contiguous(module.backward(dout.contiguous(), q, k, v, out, lse, causal, softmax_scale))
 
 
 @attention_backward.register_fake
@@ -80,7 +86,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale:
     ring_layout.check_divisible(q.shape[1] * world, world, layout,
                                 name=f"global sequence length (q.shape[1] = {q.shape[1]} x {world} ranks)")
     out, lse, (k_last, v_last) = ring_forward(module, q, k, v, causal, softmax_scale, group, rank, world, layout)
-    return out, lse, k_last, v_last
+    return _contiguous((out, lse, k_last, v_last))
 
 
 @ring_attention.register_fake
@@ -97,8 +103,8 @@ def ring_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     group = _resolve_process_group(group_name)
     rank, world = ring_layout.group_rank_world(group)
     module = _backend_for(backend, q, k, v, causal)
-    return ring_backward(module, dout.contiguous(), q, k, v, out, lse, [k_last, v_last], causal, softmax_scale,
-                         group, rank, world, layout, False)
+    return _contiguous(ring_backward(module, dout.contiguous(), q, k, v, out, lse, [k_last, v_last], causal,
+                                     softmax_scale, group, rank, world, layout, False))
 
 
 @ring_attention_backward.register_fake

@@ -25,7 +25,8 @@ def build_mesh(device_type, dp_shard, cp):
     return init_device_mesh(device_type, (dp_shard, cp), mesh_dim_names=(DP_SHARD, CP))
 
 
-def parallelize(model, mesh, *, layout="zigzag", backend="auto", param_dtype=None, activation_checkpointing="none"):
+def parallelize(model, mesh, *, layout="zigzag", backend="auto", param_dtype=None, activation_checkpointing="none",
+                compile=False):
     """Make ``model`` (a ringfa4.nn.Transformer) train on ``mesh``; returns the model.
 
     ``param_dtype`` (e.g. torch.bfloat16) is the compute dtype of parameters gathered for forward
@@ -33,19 +34,25 @@ def parallelize(model, mesh, *, layout="zigzag", backend="auto", param_dtype=Non
     mixed precision, else in the parameters' dtype (fp64 stays fp64 for exact tests).
     ``activation_checkpointing`` is what each block recomputes in backward (see
     ringfa4.nn.model.Block): "none", "selective" (all but the attention) or "full".
+    ``compile`` puts each block through torch.compile; the attention inside stays one operator.
 
     Order matters and follows torchtitan: the ring group goes into every attention core,
-    activation checkpointing wraps each block, then fully_shard shards each block (its own
-    all-gather / reduce-scatter unit) and finally the root (embeddings, final norm, output).
+    activation checkpointing wraps each block, compile takes the block with its checkpointing,
+    then fully_shard shards each block (its own all-gather / reduce-scatter unit) and finally the
+    root (embeddings, final norm, output).
     """
     if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
         raise ValueError(f"activation_checkpointing must be one of {ACTIVATION_CHECKPOINTING}, "
                          f"got {activation_checkpointing!r}")
+    if not isinstance(compile, bool):
+        raise ValueError(f"compile must be True or False, got {compile!r}")
     cp_group = mesh[CP].get_group()
     for core in model.attention_cores():
         core.group, core.layout, core.backend = cp_group, layout, backend
     for block in model.layers:
         block.activation_checkpointing = activation_checkpointing
+        if compile:
+            block.compile(fullgraph=True)
     # DeviceMesh._flatten is how torchtitan names the combined dimension; it reuses the mesh's
     # ranks in row-major order instead of building an unrelated world-sized mesh.
     shard_mesh = mesh[DP_SHARD, CP]._flatten(DP_SHARD_CP)

@@ -1,0 +1,55 @@
+"""torch.compile of the blocks with the ring inside: one graph, no breaks, the eager step's numbers.
+
+The attention is a custom operator (ringfa4.nn.ops), so dynamo neither traces into the ring nor
+breaks the graph at it, and selective checkpointing still keeps its outputs under compile. One
+test only: compiling on the 2-core CI machine takes most of its time.
+"""
+import torch
+
+from ringfa4.nn import ModelArgs, Transformer, build_mesh, parallelize, shard_sequence
+from ringfa4.nn import ops
+from ringfa4.nn.parallel import CP
+from ringfa4.train import launch
+from ringfa4.train.trainer import loss_share
+
+ARGS = ModelArgs(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=48, rope_theta=10000.0)
+SEQ_LEN, BATCH, SEED = 32, 2, 7
+
+
+def eager_and_compiled_step(rank, world, local_rank):
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = build_mesh("cpu", 1, world)
+        ring_runs = []
+        ring_forward = ops.ring_forward
+        ops.ring_forward = lambda *args: ring_runs.append(1) or ring_forward(*args)
+        gen = torch.Generator().manual_seed(SEED)
+        samples = torch.randint(ARGS.vocab_size, (BATCH, SEQ_LEN + 1), generator=gen)
+        batch = shard_sequence((samples[:, :-1], samples[:, 1:], torch.arange(SEQ_LEN).unsqueeze(0)),
+                               mesh[CP].get_group(), "zigzag")
+        results = {}
+        for compile in (False, True):
+            model = Transformer(ARGS, loss_chunk=24)
+            parallelize(model, mesh, backend="torch", activation_checkpointing="selective", compile=compile)
+            model.init_weights(SEED)
+            ring_runs.clear()
+            share = loss_share(model, *batch, BATCH * SEQ_LEN)
+            share.backward()
+            results[compile] = (share.item(), {n: p.grad.full_tensor() for n, p in model.named_parameters()},
+                                len(ring_runs))
+        return results, dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_compiled_blocks_with_ring_attention_match_eager_in_one_graph_without_breaks():
+    results, graph_breaks, unique_graphs = launch.spawn(eager_and_compiled_step, 2)
+    assert graph_breaks == {}
+    assert unique_graphs == 1  # one graph serves every block
+    (eager_loss, eager_grads, eager_rings), (loss, grads, rings) = results[False], results[True]
+    assert rings == eager_rings == ARGS.n_layers  # compiled with selective checkpointing, the ring still runs once
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=0)
+    for name, ref in eager_grads.items():
+        torch.testing.assert_close(grads[name], ref, msg=name)
