@@ -19,6 +19,7 @@ once, each step's time the slowest rank's). Per-GPU TFLOP/s count model FLOPs
 recomputation; MFU divides by the dense bf16 peak. The report goes to train.json in a new
 temporary directory unless --out-dir or --record says otherwise (a smoke run never records).
 """
+import functools
 import json
 import os
 import sys
@@ -64,8 +65,8 @@ def torch_cp_step(run, position, global_tokens):
     tokens, labels = samples[:, :-1].contiguous(), samples[:, 1:].contiguous()
     positions = torch.arange(tokens.shape[1], device=run.device).unsqueeze(0)
     buffers = [tokens, labels, positions]
-    context = lambda: context_parallel(run.mesh[CP], buffers=buffers, buffer_seq_dims=[1, 1, 1],  # noqa: E731
-                                       no_restore_buffers=set(buffers))
+    context = functools.partial(context_parallel, run.mesh[CP], buffers=buffers, buffer_seq_dims=[1, 1, 1],
+                                no_restore_buffers=set(buffers))
     return trainer.train_step(run.model, run.optimizer, buffers, global_tokens, GRAD_CLIP, context)
 
 
@@ -100,7 +101,6 @@ def measure_impl(impl, job, opts, device):
            "tokens_per_s": global_tokens / (ms / 1e3), "tflops_per_gpu": flops.tflops(model_flops, ms),
            "mfu": model_flops / (ms / 1e3) / peak if peak else None,
            "peak_mem_gib": metrics.peak_memory_gib(device), "losses": [x.item() for x in losses]}
-    del run
     return row
 
 

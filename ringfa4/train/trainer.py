@@ -6,7 +6,8 @@
     Log          progress line and metrics.jsonl; stops the run on a non-finite loss
     resume/save  DCP checkpoints (ringfa4.train.checkpoint)
 
-``train`` joins them into the loop that `ringfa4-train` runs on every rank.
+``fit`` joins them into the loop that `ringfa4-train` runs on every rank (``train``: the same,
+inside the rank's process group).
 """
 import contextlib
 import json
