@@ -117,7 +117,7 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, head_g
     ring_layout.check_layout(layout)
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"ring attention needs q and k/v of the same local length, got {q.shape[1]} and {k.shape[1]}")
-    rank, world = ring_layout.group_rank_world(group)
+    world = ring_layout.group_rank_world(group)[1]
     head_world = 1 if head_group is None else ring_layout.group_rank_world(head_group)[1]
     heads.check_split(q.shape[2], k.shape[2], head_world)
     ring_layout.check_divisible(
@@ -133,7 +133,7 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, head_g
     if world == 1:
         out, lse = _Attention.apply(q, k, v, module, causal, scale)
     else:
-        out, lse = RingAttention.apply(q, k, v, module, causal, scale, group, rank, world, layout, bool(deterministic))
+        out, lse = RingAttention.apply(q, k, v, module, causal, scale, group, layout, bool(deterministic))
     if head_world > 1:
         out, lse = heads.out_to_seq(out, lse, head_group)
     return (out, lse) if return_lse else out

@@ -16,6 +16,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from ringfa4.api import _check_qkv, _choose_backend
 from ringfa4.ring import layout as ring_layout
 from ringfa4.ring.attention import ring_backward, ring_forward
+from ringfa4.ring.comm import Ring
 
 
 def _lse_dtype(q):
@@ -78,14 +79,14 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale:
     """(out, lse, k_last, v_last) of ring attention over the process group ``group_name``; see
     ringfa4.ring_attention. k_last, v_last are the KV block the forward ended with."""
     group = _resolve_process_group(group_name)
-    rank, world = ring_layout.group_rank_world(group)
+    world = ring_layout.group_rank_world(group)[1]
     module = _backend_for(backend, q, k, v, causal)
     ring_layout.check_layout(layout)
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"ring attention needs q and k/v of the same local length, got {q.shape[1]} and {k.shape[1]}")
     ring_layout.check_divisible(q.shape[1] * world, world, layout,
                                 name=f"global sequence length (q.shape[1] = {q.shape[1]} x {world} ranks)")
-    out, lse, (k_last, v_last) = ring_forward(module, q, k, v, causal, softmax_scale, group, rank, world, layout)
+    out, lse, (k_last, v_last) = ring_forward(module, q, k, v, causal, softmax_scale, Ring(group, q.device), layout)
     return _contiguous((out, lse, k_last, v_last))
 
 
@@ -101,10 +102,9 @@ def ring_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
                             k_last: Tensor, v_last: Tensor, causal: bool, softmax_scale: float, group_name: str,
                             layout: str, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     group = _resolve_process_group(group_name)
-    rank, world = ring_layout.group_rank_world(group)
     module = _backend_for(backend, q, k, v, causal)
     return _contiguous(ring_backward(module, dout.contiguous(), q, k, v, out, lse, [k_last, v_last], causal,
-                                     softmax_scale, group, rank, world, layout, False))
+                                     softmax_scale, Ring(group, q.device, reverse=True), layout, False))
 
 
 @ring_attention_backward.register_fake

@@ -34,9 +34,11 @@ def _sum_dtype(x, lse, world):
     return x.dtype if world == 2 else lse.dtype
 
 
-def ring_forward(backend, q, k, v, causal, softmax_scale, group, rank, world, layout):
-    """(out, lse, the last KV block held), the block being what the backward starts with."""
-    ring = Ring(group, q.device)
+def ring_forward(backend, q, k, v, causal, softmax_scale, ring, layout):
+    """(out, lse, the last KV block held), the block being what the backward starts with.
+
+    ``ring``: a comm.Ring (or a stand-in with its rank, world, start and wait, ringfa4.ring.simulate)."""
+    rank, world = ring.rank, ring.world
     kv = [k.contiguous(), v.contiguous()]
     targets = [_empty_like(kv) for _ in range(min(2, world - 1))]
     out = lse = None
@@ -60,15 +62,15 @@ def ring_forward(backend, q, k, v, causal, softmax_scale, group, rank, world, la
     return out.to(q.dtype), lse, kv
 
 
-def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_scale, group, rank, world,
-                  layout, deterministic):
+def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_scale, ring, layout, deterministic):
     """dq stays home in the backend's query state, which every step adds into.
 
-    A step asks the backend for fresh dK/dV of its block (no buffer to zero) while the sums of that
-    block are still in flight from the next rank, and adds them once they have arrived. The local
-    step ends the sums of the rank's own block: they are the result.
+    ``ring`` turns the other way (sends to the previous rank). A step asks the backend for fresh
+    dK/dV of its block (no buffer to zero) while the sums of that block are still in flight from
+    the next rank, and adds them once they have arrived. The local step ends the sums of the
+    rank's own block: they are the result.
     """
-    ring = Ring(group, q.device, reverse=True)
+    rank, world = ring.rank, ring.world
     kv = kv_first
     targets = [_empty_like(kv) for _ in range(min(2, world - 2))]
     queries = backend.query_state(dout, q, out, lse, softmax_scale, row_chunk(layout, causal, q.shape[1]))
@@ -116,10 +118,11 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, backend, causal, softmax_scale, group, rank, world, layout, deterministic):
-        out, lse, (k_last, v_last) = ring_forward(backend, q, k, v, causal, softmax_scale, group, rank, world, layout)
+    def forward(ctx, q, k, v, backend, causal, softmax_scale, group, layout, deterministic):
+        ring = Ring(group, q.device)
+        out, lse, (k_last, v_last) = ring_forward(backend, q, k, v, causal, softmax_scale, ring, layout)
         ctx.save_for_backward(q, k, v, out, lse, k_last, v_last)
-        ctx.args = (causal, softmax_scale, group, rank, world, layout, deterministic)
+        ctx.args = (causal, softmax_scale, ring.turned(), layout, deterministic)
         ctx.backend = backend
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -128,4 +131,4 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, k_last, v_last = ctx.saved_tensors
         grads = ring_backward(ctx.backend, dout, q, k, v, out, lse, [k_last, v_last], *ctx.args)
-        return grads + (None,) * 8
+        return grads + (None,) * 6

@@ -61,7 +61,8 @@ class Ring:
 
     def __init__(self, group, device, reverse=False):
         self.group = group
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        self.rank, self.world = rank, world = dist.get_rank(group), dist.get_world_size(group)
+        self.reverse = reverse
         step = -1 if reverse else 1
         self.next = dist.get_global_rank(group, (rank + step) % world) if group is not None else (rank + step) % world
         self.prev = dist.get_global_rank(group, (rank - step) % world) if group is not None else (rank - step) % world
@@ -70,6 +71,10 @@ class Ring:
         if device.type == "cuda":
             self.stream = _comm_stream(device)
             _warn_unless_high_priority(group)
+
+    def turned(self):
+        """The same ring, turning the other way."""
+        return Ring(self.group, self.device, reverse=not self.reverse)
 
     def start(self, send, recv, tag=0, span=None):
         """Post the sends of ``send`` to the next rank and the receives into ``recv`` from the previous one.

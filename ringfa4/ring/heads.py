@@ -14,6 +14,8 @@ needs all of its rows, so nothing travels twice to one rank). Their dK/dV come b
 reverse all-to-all, one copy per member, and the rank that owns the rows sums the U/hk copies of
 each kv head in fp32 (fp64 for fp64), rounding once to the input dtype.
 """
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -33,9 +35,14 @@ def replicas(kv_heads, head_world):
     return max(1, head_world // kv_heads)
 
 
-def _to_heads(x, group, copies):
-    """(b, s, h, d) on each of U members -> (b, U*s, h*copies/U, d): this member's heads, every member's rows."""
-    world = dist.get_world_size(group)
+def exchange_over(group):
+    """The all-to-all over ``group`` that ``to_heads`` and ``to_seq`` run: exchange(recv, send)."""
+    return functools.partial(dist.all_to_all_single, group=group)
+
+
+def to_heads(x, world, copies, exchange):
+    """(b, s, h, d) on each of U = ``world`` members -> (b, U*s, h*copies/U, d): this member's heads,
+    every member's rows. ``exchange(recv, send)`` is the all-to-all of (U, ...) buffers."""
     b, s, h, d = x.shape
     groups = world // copies  # head groups of n heads; members g*copies ... g*copies + copies-1 get group g
     n = h // groups
@@ -43,18 +50,17 @@ def _to_heads(x, group, copies):
     heads = x.reshape(b, s, groups, n, d).permute(2, 0, 1, 3, 4).unsqueeze(1)
     send.view(groups, copies, b, s, n, d).copy_(heads.expand(groups, copies, b, s, n, d))
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    exchange(recv, send)
     return recv.transpose(0, 1).reshape(b, world * s, n, d)
 
 
-def _to_seq(y, group, copies):
-    """The inverse of ``_to_heads``: (b, U*s, n, d) -> (b, s, n*U/copies, d), summing the copies of a head."""
-    world = dist.get_world_size(group)
+def to_seq(y, world, copies, exchange):
+    """The inverse of ``to_heads``: (b, U*s, n, d) -> (b, s, n*U/copies, d), summing the copies of a head."""
     b, total, n, d = y.shape
     s = total // world
     send = y.reshape(b, world, s, n, d).transpose(0, 1).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    exchange(recv, send)
     if copies > 1:
         acc = torch.promote_types(y.dtype, torch.float32)
         recv = recv.view(world // copies, copies, b, s, n, d).sum(1, dtype=acc).to(y.dtype)
@@ -62,29 +68,29 @@ def _to_seq(y, group, copies):
 
 
 class SeqToHeads(torch.autograd.Function):
-    """``_to_heads`` forward, ``_to_seq`` (summing replicated heads' gradients) backward."""
+    """``to_heads`` forward, ``to_seq`` (summing replicated heads' gradients) backward."""
 
     @staticmethod
     def forward(ctx, x, group, copies):
-        ctx.group, ctx.copies = group, copies
-        return _to_heads(x, group, copies)
+        ctx.args = (dist.get_world_size(group), copies, exchange_over(group))
+        return to_heads(x, *ctx.args)
 
     @staticmethod
     def backward(ctx, grad):
-        return _to_seq(grad, ctx.group, ctx.copies), None, None
+        return to_seq(grad, *ctx.args), None, None
 
 
 class HeadsToSeq(torch.autograd.Function):
-    """``_to_seq`` forward, ``_to_heads`` backward."""
+    """``to_seq`` forward, ``to_heads`` backward."""
 
     @staticmethod
     def forward(ctx, y, group):
-        ctx.group = group
-        return _to_seq(y, group, 1)
+        ctx.args = (dist.get_world_size(group), 1, exchange_over(group))
+        return to_seq(y, *ctx.args)
 
     @staticmethod
     def backward(ctx, grad):
-        return _to_heads(grad, ctx.group, 1), None
+        return to_heads(grad, *ctx.args), None
 
 
 def qkv_to_heads(q, k, v, group):
@@ -96,5 +102,6 @@ def qkv_to_heads(q, k, v, group):
 def out_to_seq(out, lse, group):
     """This member's rows of every head of out (differentiable) and lse (b, h, s; not differentiable)."""
     with torch.no_grad():
-        lse = _to_seq(lse.transpose(1, 2).unsqueeze(-1), group, 1).squeeze(-1).transpose(1, 2)
+        lse = to_seq(lse.transpose(1, 2).unsqueeze(-1), dist.get_world_size(group), 1, exchange_over(group))
+        lse = lse.squeeze(-1).transpose(1, 2)
     return HeadsToSeq.apply(out, group), lse

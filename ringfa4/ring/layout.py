@@ -61,6 +61,16 @@ def _head_rank_world(head_group):
     return dist.get_rank(head_group), dist.get_world_size(head_group)
 
 
+def part(x, rank, world, layout, dim=1, head_rank=0, head_world=1):
+    """The part of the full sequence ``x`` (along ``dim``) that ring rank ``rank`` of ``world`` holds,
+    or with a head group of ``head_world`` its member ``head_rank``: piece head_rank of the ring
+    shard cut into head_world contiguous pieces (see ringfa4.ring.heads)."""
+    check_divisible(x.shape[dim], world, layout, name=f"x.shape[{dim}]", head_world=head_world)
+    chunks = x.chunk(num_chunks(world, layout), dim=dim)
+    local = torch.cat([chunks[i] for i in chunk_ids(rank, world, layout)], dim=dim)
+    return local.chunk(head_world, dim=dim)[head_rank] if head_world > 1 else local
+
+
 def shard(x, dim=1, group=None, layout="zigzag", head_group=None):
     """This rank's part of ``x``, a tensor holding the full sequence along ``dim`` (same on every rank).
 
@@ -68,11 +78,8 @@ def shard(x, dim=1, group=None, layout="zigzag", head_group=None):
     of the head group holds piece u (see ringfa4.ring.heads).
     """
     rank, world = group_rank_world(group)
-    u, heads = _head_rank_world(head_group)
-    check_divisible(x.shape[dim], world, layout, name=f"x.shape[{dim}]", head_world=heads)
-    chunks = x.chunk(num_chunks(world, layout), dim=dim)
-    local = torch.cat([chunks[i] for i in chunk_ids(rank, world, layout)], dim=dim)
-    return local.chunk(heads, dim=dim)[u] if heads > 1 else local
+    head_rank, head_world = _head_rank_world(head_group)
+    return part(x, rank, world, layout, dim, head_rank, head_world)
 
 
 def unshard(x_local, dim=1, group=None, layout="zigzag", head_group=None):
