@@ -35,6 +35,13 @@ def required_multiple(world, layout, head_world=1):
     return world * math.lcm(per_rank, head_world)
 
 
+def nearest_length(seq_len, world, layout, head_world=1, align=1):
+    """The multiple of required_multiple * align nearest to seq_len (at least one): a length that
+    splits, for a length that does not (``align``: rows every chunk should be a multiple of)."""
+    step = required_multiple(world, layout, head_world) * align
+    return max(step, round(seq_len / step) * step)
+
+
 def check_divisible(seq_len, world, layout, name="sequence length", head_world=1):
     multiple = required_multiple(world, layout, head_world)
     if seq_len % multiple:
