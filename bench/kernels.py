@@ -44,7 +44,8 @@ import ringfa4.backends.cute as cute_backend  # noqa: E402
 import ringfa4.backends.fa4 as fa4_backend  # noqa: E402
 from bench import measure  # noqa: E402
 from ringfa4 import backends, flops  # noqa: E402
-from ringfa4.kernels import compile as kc  # noqa: E402
+from ringfa4.backends.cute import compile as kc  # noqa: E402
+from ringfa4.backends.cute import configs  # noqa: E402
 
 HEADS = 16
 TOKENS = 32768
@@ -90,7 +91,7 @@ def kernel_table(args, meta, rows):
     seqs = SEQS[:3] if args.quick else SEQS
     for d in (128, 64):
         for causal in (False, True):
-            cand = kc.fwd_variant("bf16", d, causal, **CANDIDATE[(d, causal)])
+            cand = configs.fwd_variant("bf16", d, causal, **CANDIDATE[(d, causal)])
             for seq in seqs:
                 q, k, v = inputs(seq, d)
                 b = q.shape[0]
@@ -113,7 +114,7 @@ def kernel_table(args, meta, rows):
                 row = dict(
                     meta, direction="fwd", dtype="bf16", hdim=d, seq=seq, causal=causal,
                     ringfa4_tflops=tf["ours"], fa4_tflops=tf["fa4"], cudnn_tflops=tf["cudnn"],
-                    config=kc.fwd_defaults("bf16", d, causal).name,
+                    config=configs.fwd_defaults("bf16", d, causal).name,
                     candidate_tflops=tf.get("cand"), candidate_config=cand.name,
                     max_abs_diff_vs_fa4=diff,
                 )
@@ -203,7 +204,7 @@ def technique_table(args, meta, rows, seq=8192, d=128):
         for label, flags in TECHNIQUES:
             if "lpt" in flags and not causal:
                 continue
-            cfg = kc.fwd_variant("bf16", d, causal, **flags)
+            cfg = configs.fwd_variant("bf16", d, causal, **flags)
             try:
                 out, lse = cute_backend.forward(q, k, v, causal, None, config=cfg)
                 check_against_fa4(q, k, v, causal, out, lse)
@@ -224,7 +225,7 @@ def sass_report(out_dir):
     """Registers/spills (ptxas -v) and HGMMA count in SASS (cuobjdump) of the shipped kernels."""
     os.makedirs(out_dir, exist_ok=True)
     lines = []
-    for v in kc.VARIANTS:
+    for v in configs.VARIANTS:
         if v.dtype != "bf16" or not v.name.startswith("fwd_"):
             continue
         opts = f"--keep-ptx --keep-cubin --dump-dir {out_dir}"
