@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 import ringfa4
 from ringfa4 import hf
-from ringfa4.nn import ModelArgs, build_mesh
+from ringfa4.nn import build_mesh
 from ringfa4.nn.parallel import CP, DP_SHARD
 from ringfa4.train import checkpoint, data, metrics
 
@@ -97,6 +97,7 @@ def build_model(args, ring, mesh, device):
     else:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, attn_implementation=ring.name, dtype=torch.float32)
+        model.tie_weights()  # some 5.x releases leave a meta-built model's tied embeddings untied
         full = {}
     param_dtype = torch.bfloat16 if device.type == "cuda" else None
     hf.fully_shard_model(model, mesh, param_dtype=param_dtype, activation_checkpointing=args.activation_checkpointing)
@@ -120,14 +121,6 @@ def token_stream(args, vocab_size):
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     ids = [i for f in files for i in tokenizer(open(f, encoding="utf-8").read())["input_ids"]]
     return data.TokenStream(torch.tensor(ids, dtype=torch.int64), vocab_size, f"{len(files)} text file(s)")
-
-
-def flops_per_token(config, seq_len):
-    """Model FLOPs per token (6 per matmul parameter, plus causal attention) of a Llama config."""
-    return ModelArgs(vocab_size=config.vocab_size, dim=config.hidden_size, n_layers=config.num_hidden_layers,
-                     n_heads=config.num_attention_heads, n_kv_heads=config.num_key_value_heads,
-                     ffn_dim=config.intermediate_size,
-                     tie_embeddings=config.tie_word_embeddings).flops_per_token(seq_len)
 
 
 def main(argv=None):
@@ -161,7 +154,7 @@ def train(args, device):
         print(f"hf_finetune: {world} rank(s) on {device.type}, dp_shard={world // cp} x cp={cp} ({args.layout}), "
               f"{args.model or 'tiny random Llama'}, seq_len={args.seq_len}, global batch {args.global_batch}"
               + (f", resumed at step {start}" if start else ""), flush=True)
-    flops_per_step = flops_per_token(config, args.seq_len) * args.global_batch * args.seq_len
+    flops_per_step = hf.flops_per_token(config, args.seq_len) * args.global_batch * args.seq_len
     peak, last = metrics.peak_flops(device), time.perf_counter()
     for step in range(start + 1, args.steps + 1):
         lr = args.lr * min(1.0, step / max(1, args.warmup))

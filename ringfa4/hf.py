@@ -37,6 +37,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 import ringfa4
+from ringfa4.nn import ModelArgs
 from ringfa4.nn.parallel import CP, DP_SHARD, DP_SHARD_CP
 from ringfa4.ring import layout as ring_layout
 
@@ -121,11 +122,11 @@ def register(group=None, *, layout="zigzag", backend="auto", name="ringfa4"):
     return ring
 
 
-def _padding_mask_only(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-                       attention_mask=None, use_vmap=False, **kwargs):
+def _padding_mask_only(*, kv_length, attention_mask=None, use_vmap=False, **kwargs):
     """transformers' mask hook for our name. Causality is the attention function's own flag, so no
     mask is built; a padding mask is passed on for the attention function to refuse (a name without
-    a mask hook would get None and silently attend to padding)."""
+    a mask hook would get None and silently attend to padding). transformers passes every argument
+    by keyword; which ones differs between 5.x releases, and only these three are read."""
     if use_vmap:  # set exactly when a model overlays or/and mask functions on the causal pattern
         raise UnsupportedByRing("the model overlays its own mask pattern on causal attention "
                                 "(or_mask_function / and_mask_function), which ring attention cannot apply")
@@ -237,3 +238,17 @@ def fully_shard_model(model, mesh, *, param_dtype=None, activation_checkpointing
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def flops_per_token(config, seq_len):
+    """Model FLOPs of one token's forward and backward in a causal sequence of ``seq_len`` for a
+    Llama-architecture transformers config, counted as ringfa4.nn.ModelArgs counts them (6 per
+    matmul parameter, plus attention; recomputation not counted)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim * config.num_attention_heads != config.hidden_size:
+        raise ValueError(f"head_dim {head_dim} x {config.num_attention_heads} heads != hidden_size "
+                         f"{config.hidden_size}: not a Llama-shaped config, whose FLOPs this counts")
+    return ModelArgs(vocab_size=config.vocab_size, dim=config.hidden_size, n_layers=config.num_hidden_layers,
+                     n_heads=config.num_attention_heads, n_kv_heads=config.num_key_value_heads,
+                     ffn_dim=config.intermediate_size,
+                     tie_embeddings=bool(config.tie_word_embeddings)).flops_per_token(seq_len)
