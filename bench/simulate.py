@@ -137,6 +137,7 @@ def efficiency_rows(args, module, device, dtype, rows):
                 t_rank, (fwd_step, bwd_step) = per_rank[slowest]
                 rows.add(dict(measure.metadata(device, args.commit), kind="efficiency", backend=module.__name__,
                               seq=seq, seq_used=used, heads=h, kv_heads=hk, head_dim=d, causal=args.causal,
+                              dtype=str(dtype).removeprefix("torch."),
                               world=world, head_world=u, ring_world=ring_world,
                               rank_ms={str(r): ms for r, (ms, _) in per_rank.items()}, slowest_rank=slowest,
                               rank_tflops=flops.attention(1, used, used, h, d, args.causal, "fwd+bwd") / world

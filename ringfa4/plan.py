@@ -1,71 +1,61 @@
-"""Performance model of the ring: compute vs. link time per step for a topology, and the efficiency
-that follows (python -m ringfa4.plan --help).
+"""Performance model of context-parallel attention: compute vs. link time per step for a topology,
+for the ring alone and for heads x ring (U x R) splits, and the efficiency that follows
+(python -m ringfa4.plan --help).
 
     python -m ringfa4.plan --preset gb200-nvl72 --heads 64 --kv-heads 8 --seq 1048576
     python -m ringfa4.plan --preset h200-x2 --heads 32 --kv-heads 8 --seq 32768 --worlds 2
 
-The model follows ringfa4.ring.attention step by step (zigzag layout, W ranks, local length L = S/W,
-each step's work taken from ringfa4.ring.schedule for the first and the last rank, the two extremes):
+The ring (zigzag layout, R ranks, local length L = S/R, each step's work taken from
+ringfa4.ring.schedule for the first and the last rank, the two extremes):
   forward  step i computes its block while the next KV block (2*L*hk*d elements) travels;
   backward visits the blocks in reverse, starting on the forward's last block and ending on the local
-           one: step j computes while the next block (for j + 2 < W) and the previous step's dK/dV sums
-           (j >= 1; fp32 for W > 2) travel, on one NCCL stream, so their times add. Nothing is exposed.
+           one: step j computes while the next block (for j + 2 < R) and the previous step's dK/dV sums
+           (j >= 1; fp32 for R > 2) travel, on one NCCL stream, so their times add. Nothing is exposed.
   A step costs max(compute, transfer); all ranks step together, so every hop runs at the slowest
-  link's speed (InfiniBand once W exceeds the NVLink domain). efficiency = t(1 GPU) / (W * t(ring)).
+  link's speed (InfiniBand once the U x R ranks exceed the NVLink domain).
 A step's compute = its kernel + the memory-bound passes the ring runs inside it (merge, dq add, start
 of the dK/dV sums; their bytes at the GPU's HBM bandwidth) + a fixed per-step overhead. The passes
 outside the steps (casts, zeroing, later dK/dV sums) add their bytes once.
-Kernel time = FLOPs / TFLOP/s of the backend at the step's own loop length (keys per query tile
-forward, queries per key tile backward; log-interpolated, clamped); link time = latency + bytes /
-bandwidth (fitted per link).
+Heads x ring (ringfa4.ring.heads): a head group of U consecutive ranks trades sequence for heads by
+all-to-alls (q, k, v, out forward; dout, dq, dk, dv backward), exposed, over NVLink when U fits the
+domain, each also packing and unpacking its tensor in HBM; the ring then runs over R = W/U ranks on
+h/U heads (kv heads split, or one each when U exceeds them) of S/R tokens per rank. R = 1 is one
+call per rank on the whole sequence. efficiency = t(1 GPU) / (W * t(rank)).
+Kernel time = FLOPs (ringfa4.flops) / TFLOP/s of the backend at the step's own loop length (keys per
+query tile forward, queries per key tile backward; log-interpolated, clamped); link time = latency +
+bytes / bandwidth.
 
-Numbers come from bench/results/*.json when they hold rows for the preset's GPU (kernel TFLOP/s:
-bench/kernels.py rows; link: the forward KV transfer times that bench/ring.py records; per-step
-overhead: bench/ring.py's per-step timeline against this model), otherwise from the defaults below,
-each with its source. Predictions for measured ring rows are printed next to the measurements.
+Measured numbers come from the calibration files shipped in ringfa4/data (one per GPU, format
+CALIBRATION_FORMAT; --calibration names another), and every printed number says which file or which
+assumption it comes from. ``--refit`` writes such a file from explicit bench JSON files.
 """
 import argparse
-import glob
 import itertools
 import json
 import math
-import os
 import statistics
 from dataclasses import dataclass, replace
+from importlib import resources
+from pathlib import Path
 
 from ringfa4 import flops
 from ringfa4.ring import schedule
+from ringfa4.ring.layout import nearest_length, required_multiple
 
 MiB = 1 << 20
-
-# FA4 (flash_attn.cute, sm90) bf16 hdim 128, TFLOP/s by sequence length, measured on the lent machines
-# on 2026-11-21 (shared/device/README.md): {(direction, causal): ((seq, TFLOP/s), ...)}.
-FA4_H200 = {
-    ("fwd", False): ((1024, 545), (4096, 638), (8192, 663), (16384, 677), (32768, 653)),
-    ("fwd", True): ((1024, 406), (4096, 570), (8192, 607), (16384, 603), (32768, 639)),
-    ("bwd", False): ((1024, 472), (4096, 568), (8192, 599), (16384, 567), (32768, 622)),
-    ("bwd", True): ((1024, 362), (4096, 514), (8192, 562), (16384, 590), (32768, 614)),
-}
-FA4_H100 = {
-    ("fwd", False): ((1024, 552), (4096, 632), (8192, 664), (16384, 664), (32768, 645)),
-    ("fwd", True): ((1024, 386), (4096, 563), (8192, 611), (16384, 611), (32768, 635)),
-    ("bwd", False): ((1024, 458), (4096, 564), (8192, 600), (32768, 615)),
-    ("bwd", True): ((1024, 326), (4096, 509), (8192, 557), (32768, 626)),
-}
-# Not measured here (no Blackwell is lent): FA4 is reported at ~1600 TFLOP/s forward on B200 against
-# ~650 measured above on Hopper, so the H200 curves are scaled by this factor. Override with --tflops-scale.
+CALIBRATION_FORMAT = 1
+CALIBRATED_GPUS = ("H200", "H100")
+# Assumptions (no measurement lent), labelled as such wherever they are printed: FA4 is reported at
+# ~1600 TFLOP/s forward on B200 against ~650 measured on Hopper, so Blackwell's curves are the H200's
+# times this factor (--tflops-scale overrides); NVLink 5 keeps NVLink 4's measured fraction of its
+# nominal rate (900 against 450 GB/s per direction); NCCL over one 400 Gb/s NIC per GPU reaches ~90%
+# of 50 GB/s; the ring's memory-bound passes reach 80% of nominal HBM bandwidth.
 BLACKWELL_OVER_HOPPER = 2.4
-# NCCL ring exchange (send next, receive previous, all ranks at once) on 2 x H200, NVLink NV18, per
-# direction per rank (shared/device/README.md): (bytes, GB/s).
-NVLINK4_EXCHANGE = ((16 * MiB, 85.0), (64 * MiB, 172.0), (256 * MiB, 246.0))
-NVLINK4_NOMINAL_GBPS = 450.0  # 18 links x 25 GB/s per direction
-# Assumptions (no measurement lent): NVLink 5 keeps NVLink 4's measured fraction of its nominal
-# 900 GB/s per direction; NCCL over one 400 Gb/s NIC per GPU reaches ~90% of 50 GB/s; HBM copies reach
-# 80% of nominal bandwidth.
+NVLINK4_NOMINAL_GBPS = 450.0
 NVLINK5_NOMINAL_GBPS = 900.0
 IB_400G = dict(gbps=0.9 * 50.0, latency_ms=0.03)
 HBM_EFFICIENCY = 0.8
-NO_OVERHEAD = "not measured: none assumed"
+ALIGN = 128  # rows of a query tile: a suggested length gives every chunk whole tiles
 
 
 @dataclass(frozen=True)
@@ -79,10 +69,12 @@ class Link:
         return self.latency_ms + nbytes / (self.gbps * 1e9) * 1e3
 
 
+FREE_LINK = Link("none", math.inf, 0.0, "compute only: transfers cost nothing")
+
+
 @dataclass(frozen=True)
 class Gpu:
     name: str
-    match: str  # substring of torch.cuda.get_device_name() for results of this GPU
     hbm_gbps: float  # nominal
     tflops: dict  # {(direction, causal): ((seq, TFLOP/s), ...)}
     source: str
@@ -109,153 +101,93 @@ class Topology:
     network: Link  # between domains
     backend: str = "fa4"  # whose kernels: "fa4" (upstream) or "cute" (ours)
     step_overhead_ms: tuple = (0.0, 0.0)  # (forward, backward) per ring step, beyond kernel and memory passes
-    overhead_source: str = NO_OVERHEAD
+    overhead_source: str = "none assumed"
     # (forward, backward) kernel time of the calibration run per kernel-row ms: the fitted slope,
     # applied to the ring's steps and the 1-GPU call alike (it cancels in the efficiency)
     kernel_scale: tuple = (1.0, 1.0)
+    checks: tuple = ()  # measured rows (ring and simulated) of this GPU to print beside the model
 
     def link(self, world):
         return self.nvlink if world <= self.domain else self.network
 
 
-def fit_link(name, points, source):
-    """Least-squares latency + bytes/bandwidth through (bytes, ms) points."""
-    n = len(points)
-    mx = sum(b for b, _ in points) / n
-    my = sum(t for _, t in points) / n
-    sxx = sum((b - mx) ** 2 for b, _ in points)
-    if n < 2 or sxx == 0:
-        b, t = points[0]
-        return Link(name, b / (t * 1e-3) / 1e9, 0.0, source)
-    slope = sum((b - mx) * (t - my) for b, t in points) / sxx  # ms per byte
-    latency = max(0.0, my - slope * mx)
-    return Link(name, 1e3 / slope / 1e9 if slope > 0 else float("inf"), latency, source)
+# ---------------------------------------------------------------- calibration files
 
 
-def _nvlink4():
-    return fit_link("NVLink4 (NV18)", [(b, b / (g * 1e9) * 1e3) for b, g in NVLINK4_EXCHANGE],
-                    "fit to NCCL ring exchange at 16/64/256 MiB on 2 x H200 (shared/device/README.md)")
+def calibration_path(gpu):
+    """The calibration file shipped for ``gpu`` (one of CALIBRATED_GPUS)."""
+    return resources.files("ringfa4") / "data" / f"calibration-{gpu.lower()}.json"
 
 
-def presets():
-    nv4 = _nvlink4()
-    nv5 = Link("NVLink5", nv4.gbps * NVLINK5_NOMINAL_GBPS / NVLINK4_NOMINAL_GBPS, nv4.latency_ms,
-               f"assumed: NVLink4's measured {nv4.gbps / NVLINK4_NOMINAL_GBPS:.0%} of nominal, of 900 GB/s")
+def load_calibration(path):
+    """The calibration dict of a file (a path or a package resource), its name under "_file"."""
+    path = Path(path) if isinstance(path, str) else path
+    data = json.loads(path.read_text())
+    if data.get("format") != CALIBRATION_FORMAT:
+        raise ValueError(f"{path}: calibration format {data.get('format')!r}, this planner reads {CALIBRATION_FORMAT}")
+    return dict(data, _file=str(path))
+
+
+def _curves(table):
+    """{"fwd/causal": [[seq, tflops], ...]} -> {("fwd", True): ((seq, tflops), ...)}."""
+    return {(k.split("/")[0], k.split("/")[1] == "causal"): tuple(map(tuple, v)) for k, v in table.items()}
+
+
+def _gpu_and_link(cal, backend):
+    f = cal["_file"]
+    kernels = cal["kernels"][backend]
+    gpu = Gpu(cal["gpu"], cal["hbm_gbps"], _curves(kernels["tflops"]), f"{kernels['source']} [{f}]")
+    nv = cal["nvlink"]
+    return gpu, Link(nv["name"], nv["gbps"], nv["latency_ms"], f"{nv['source']} [{f}]")
+
+
+def _overhead(cal, backend):
+    """Topology fields of the per-step overhead fitted for ``backend`` in ``cal``, or None."""
+    step = cal["step_overhead"].get(backend)
+    if step is None:
+        return None
+    return dict(step_overhead_ms=tuple(step["ms"]), kernel_scale=tuple(step["kernel_scale"]),
+                overhead_source=f"{step['source']} [{cal['_file']}]")
+
+
+def _assumed(own, measured):
+    """A GPU's own overhead, else the measured one's (without its run-specific kernel slope)."""
+    if own is not None:
+        return own
+    if measured is None:
+        return dict(overhead_source="not measured: none assumed")
+    return dict(step_overhead_ms=measured["step_overhead_ms"], overhead_source=f"assumed as on H200: "
+                f"{measured['overhead_source']}")
+
+
+def presets(backend="fa4", calibrations=None):
+    """The modelled topologies, from the calibration files (``calibrations``: {gpu: dict}, default
+    the shipped ones) and the labelled assumptions."""
+    cals = calibrations or {g: load_calibration(calibration_path(g)) for g in CALIBRATED_GPUS}
     ib = Link("InfiniBand 400 Gb/s", IB_400G["gbps"], IB_400G["latency_ms"], "assumed: 90% of 50 GB/s per NIC")
-    h200 = Gpu("H200", "H200", 4800.0, FA4_H200, "FA4 on H200, shared/device/README.md (2026-11-21)")
-    h100 = Gpu("H100", "H100", 3350.0, FA4_H100, "FA4 on H100, shared/device/README.md (2026-11-21)")
-    gb200 = Gpu("GB200", "GB200", 8000.0,
-                {k: tuple((s, t * BLACKWELL_OVER_HOPPER) for s, t in v) for k, v in FA4_H200.items()},
-                f"assumed: H200 FA4 curve x {BLACKWELL_OVER_HOPPER}")
+    h200, nv4 = _gpu_and_link(cals["H200"], backend)
+    h100, nv4_h100 = _gpu_and_link(cals["H100"], backend)
+    ex = cals["H200"]["nvlink_exchange"]
+    nv5 = Link("NVLink5", ex["gbps"] * NVLINK5_NOMINAL_GBPS / NVLINK4_NOMINAL_GBPS, ex["latency_ms"],
+               f"assumed: NVLink4's {ex['gbps'] / NVLINK4_NOMINAL_GBPS:.0%} of nominal in the {ex['source']} "
+               f"[{cals['H200']['_file']}], of 900 GB/s")
+    gb200 = Gpu("GB200", 8000.0, {k: tuple((s, t * BLACKWELL_OVER_HOPPER) for s, t in v) for k, v in h200.tflops.items()},
+                f"assumed: the H200 curves x {BLACKWELL_OVER_HOPPER} ({h200.source})")
+    measured = _overhead(cals["H200"], backend)
+    on_h200 = _assumed(measured, None)
+    on_h100 = _assumed(_overhead(cals["H100"], backend), measured)
+    checks = tuple(dict(r, _file=cals["H200"]["_file"]) for r in cals["H200"].get("checks", ())
+                   if r.get("backend") == backend)
     return {
-        "h200-x2": Topology("h200-x2", "2 x H200 on NVLink (the lent machine); more GPUs across IB 400G", h200, 2, nv4, ib),
-        "h100-node": Topology("h100-node", "8 x H100 on NVLink (one HGX node); more GPUs across IB 400G", h100, 8, nv4, ib),
+        "h200-x2": Topology("h200-x2", "2 x H200 on NVLink (the lent machine); more GPUs across IB 400G",
+                            h200, 2, nv4, ib, backend, checks=checks, **on_h200),
+        "h100-node": Topology("h100-node", "8 x H100 on NVLink (one HGX node); more GPUs across IB 400G",
+                              h100, 8, nv4_h100, ib, backend, **on_h100),
         "gb200-nvl72": Topology("gb200-nvl72", "72 x GB200 in one NVLink domain (900 GB/s per direction per GPU); "
-                                "144+ across racks over IB 400G", gb200, 72, nv5, ib),
+                                "144+ across racks over IB 400G", gb200, 72, nv5, ib, backend, **_assumed(None, measured)),
         "ib-400g": Topology("ib-400g", "H100 ranks on different nodes: every hop over InfiniBand 400 Gb/s per GPU",
-                            h100, 1, nv4, ib),
+                            h100, 1, nv4_h100, ib, backend, **on_h100),
     }
-
-
-# ---------------------------------------------------------------- calibration from bench/results
-
-
-def default_results_dir():
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results")
-
-
-def _rows(results_dir):
-    rows = []
-    for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, list):
-            rows += [dict(r, _file=os.path.basename(path)) for r in data if isinstance(r, dict)]
-    return rows
-
-
-def _envelope(points):
-    """Best TFLOP/s at or below each length. The kernel rows hold the CTA count fixed (32k tokens x 16
-    heads per call), so a longer loop can only amortise more; a lower reading at a longer length is
-    run noise (FA4's backward: 611 at 16k, 519 at 32k causal), and noise only ever slows a kernel."""
-    best, out = 0.0, []
-    for s, t in points:
-        best = max(best, t)
-        out.append((s, best))
-    return tuple(out)
-
-
-def calibrate(topo, rows, backend, head_dim):
-    """The topology with kernel curves, NVLink and per-step overhead fitted to measured rows of its GPU, where any."""
-    mine = [r for r in rows if topo.gpu.match in str(r.get("device", ""))]
-    key = "fa4_tflops" if backend == "fa4" else "ringfa4_tflops"
-    curves, files = dict(topo.gpu.tflops), set()
-    for direction, causal in curves:
-        pts = sorted({(r["seq"], r[key]) for r in mine
-                      if r.get("direction") == direction and r.get("causal") == causal
-                      and r.get("hdim") == head_dim and r.get(key)})
-        if pts:
-            curves[(direction, causal)] = _envelope(pts)
-            files |= {r["_file"] for r in mine if r.get("direction") == direction and r.get(key)}
-    gpu = topo.gpu
-    if files:
-        gpu = replace(gpu, tflops=curves, source=f"{backend} measured in bench/results/{', '.join(sorted(files))}, "
-                      f"best reading at or below each length (missing directions: {gpu.source})")
-    transfers = [(r["kv_bytes_per_step"], ms) for r in mine if r.get("kv_bytes_per_step")
-                 for ms in r.get("step_ms", {}).get("fwd_kv", [])]
-    nvlink = topo.nvlink
-    if transfers and topo.domain > 1:
-        nvlink = fit_link(nvlink.name, transfers, f"fit to {len(transfers)} forward KV transfers in bench/results/ring.json")
-    topo = replace(topo, gpu=gpu, nvlink=nvlink, backend=backend)
-    timelines = [r for r in mine if r.get("backend") == backend and r.get("step_ms_by_rank")]
-    if timelines:
-        overhead, slope, n = fit_step_overhead(topo, timelines)
-        where = ", ".join(sorted({r["_file"] for r in timelines}))
-        topo = replace(topo, step_overhead_ms=overhead, kernel_scale=slope,
-                       overhead_source=f"intercept of a Theil-Sen line through {n} step compute spans in bench/results/"
-                       f"{where} against this model's kernel + memory time; its slopes {slope[0]:.3f} / {slope[1]:.3f} "
-                       f"(that run's kernels vs the kernel rows) scale the kernel times of the ring and the 1-GPU call")
-    return topo
-
-
-def fit_step_overhead(topo, rows):
-    """((forward, backward) overhead ms, (forward, backward) slope, number of steps) from the rows'
-    per-step timelines: a robust line, measured = overhead + slope * model, through every rank's
-    steps, the model being this one's kernel + memory time for the step.
-
-    The intercept is what a ring step costs beyond its work and what the kernel rows (back-to-back
-    calls of one kernel) cannot see: launch gaps between a step's ops, allocation, NCCL kernels
-    sharing the SMs. The slope says how fast this run's kernels ran against the kernel rows (another
-    run, maybe another machine; the two GPUs of one run differ by up to 11% on identical steps). The
-    two belong together: an intercept used without its slope is off by (slope - 1) x the step, which
-    at 150 ms backward steps and a slope of 1.03 turned it negative (-0.4 ms per step at ec5cf12)."""
-    bare = replace(topo, step_overhead_ms=(0.0, 0.0), kernel_scale=(1.0, 1.0))
-    points = ([], [])
-    for r in rows:
-        shape, world = _row_shape(r), r["world"]
-        for rank, spans in enumerate(r["step_ms_by_rank"]):
-            fwd, bwd, _ = _rank_ms(bare, shape, world, _rank_steps(shape, world, rank))
-            points[0].extend(zip(fwd, spans["fwd_compute"]))
-            points[1].extend(zip(bwd, spans["bwd_compute"]))
-    lines = [_theil_sen(p) for p in points]
-    # A step cannot cost less than its work: a negative intercept says the model's kernel times are
-    # off by step length (the kernel rows' CTA counts are not the ring's), not that steps save time.
-    return tuple(max(0.0, c) for c, _ in lines), tuple(s for _, s in lines), sum(map(len, points))
-
-
-def _theil_sen(points):
-    """(intercept, slope) of the Theil-Sen line through (x, y) points: medians of the pairwise slopes
-    and of the intercepts they leave, so a minority of noisy steps cannot move it. Slope 1 when all
-    x are equal (one step shape: only the gap is known)."""
-    slopes = [(y1 - y0) / (x1 - x0) for (x0, y0), (x1, y1) in itertools.combinations(points, 2) if x1 != x0]
-    slope = statistics.median(slopes) if slopes else 1.0
-    return statistics.median(y - slope * x for x, y in points), slope
-
-
-# ---------------------------------------------------------------- the model
 
 
 @dataclass(frozen=True)
@@ -266,13 +198,6 @@ class Shape:
     seq: int
     causal: bool
     elem: int  # bytes per q/k/v element
-
-
-ROW_DTYPE_BYTES = {"bfloat16": 2, "float16": 2}  # torch dtype names in bench/ring.py rows
-
-
-def _row_shape(r):
-    return Shape(r["heads"], r["kv_heads"], r["head_dim"], r["seq"], r["causal"], ROW_DTYPE_BYTES[r["dtype"]])
 
 
 def _kernel_ms(gpu, shape, direction, sq, sk, causal):
@@ -359,12 +284,13 @@ def single_ms(topo, shape):
                for d, scale in zip(("fwd", "bwd"), topo.kernel_scale))
 
 
-def predict(topo, shape, world):
-    """Time of one fwd+bwd ring call on the slowest rank, step by step."""
+def predict(topo, shape, world, link=None):
+    """Time of one fwd+bwd ring call on the slowest rank, step by step (hops over ``link``, default
+    the topology's link for ``world`` GPUs)."""
     if world < 2:
         raise ValueError(f"world must be >= 2, got {world}")
     L, hk, d, e = shape.seq // world, shape.kv_heads, shape.head_dim, shape.elem
-    link = topo.link(world)
+    link = link or topo.link(world)
     kv = link.ms(2 * L * hk * d * e)
     dkv = link.ms(2 * L * hk * d * (e if world == 2 else 4))
     fwd_transfer = [kv] * (world - 1) + [0.0]
@@ -405,106 +331,345 @@ def hiding_chunk(topo, shape, world):
     return hi
 
 
+# ---------------------------------------------------------------- heads x ring
+
+
+@dataclass
+class Split:
+    head_world: int  # U
+    ring_world: int  # R
+    seq: int  # the length modelled: the asked one, or the nearest that splits over U x R
+    ring: "Prediction | None"  # the ring over R (None for R = 1)
+    local_ms: float  # R = 1: the rank's one call on the whole sequence
+    a2a_ms: float  # all-to-alls, exposed, with their packing
+    single_ms: float
+
+    @property
+    def world(self):
+        return self.head_world * self.ring_world
+
+    @property
+    def rank_ms(self):
+        return (self.ring.ring_ms if self.ring else self.local_ms) + self.a2a_ms
+
+    @property
+    def efficiency(self):
+        return self.single_ms / (self.world * self.rank_ms)
+
+
+def splits_heads(heads, kv_heads, head_world):
+    """Whether a head group of this size can split these heads (ringfa4.ring.heads.check_split)."""
+    return heads % head_world == 0 and (kv_heads % head_world == 0 or head_world % kv_heads == 0)
+
+
+def _a2a_ms(topo, shape, head_world, ring_world, link):
+    """The rank's all-to-alls of one fwd+bwd call: q, k, v, out forward, dout, dq, dk, dv backward
+    (lse's is a few bytes). Of its L = S/(U*R) rows, each sends what the U-1 other members' heads
+    need (a kv head read by several members goes to each) and packs and unpacks the whole exchange
+    in HBM (two copies: read + write each)."""
+    L, u, d, e = shape.seq // (head_world * ring_world), head_world, shape.head_dim, shape.elem
+    per_member = {"q": shape.heads // u, "kv": max(1, shape.kv_heads // u)}
+    ms = 0.0
+    for name in ("q", "kv", "kv", "q") * 2:
+        sent = (u - 1) * L * per_member[name] * d * e
+        ms += link.ms(sent) + _hbm_ms(topo.gpu, 4 * u * L * per_member[name] * d * e)
+    return ms
+
+
+def predict_split(topo, shape, head_world, ring_world, links=True):
+    """A fwd+bwd call on U x R ranks (``links=False``: transfers free, the compute of the simulator)."""
+    world = head_world * ring_world
+    seq = shape.seq
+    if seq % (required_multiple(ring_world, "zigzag", head_world) * ALIGN):
+        seq = nearest_length(seq, ring_world, "zigzag", head_world, align=ALIGN)
+    full = replace(shape, seq=seq)
+    mine = replace(full, heads=shape.heads // head_world, kv_heads=max(1, shape.kv_heads // head_world))
+    a2a = FREE_LINK if not links else topo.link(head_world)
+    ring_link = FREE_LINK if not links else topo.link(world)
+    a2a_ms = _a2a_ms(topo, full, head_world, ring_world, a2a) if head_world > 1 else 0.0
+    ring = predict(topo, mine, ring_world, ring_link) if ring_world > 1 else None
+    local = single_ms(topo, mine) if ring_world == 1 else 0.0
+    return Split(head_world, ring_world, seq, ring, local, a2a_ms, single_ms(topo, full))
+
+
+def splits(topo, shape, world, max_head_group):
+    """Every U x R = world whose head group fits the heads and the NVLink domain."""
+    largest = min(max_head_group, max(topo.domain, 1))
+    return [predict_split(topo, shape, u, world // u) for u in range(1, largest + 1)
+            if world % u == 0 and splits_heads(shape.heads, shape.kv_heads, u)]
+
+
+# ---------------------------------------------------------------- refitting a calibration file
+
+
+def _rows(paths):
+    """Every row of the given bench JSON files (lists of dicts), each with its file under "_file"."""
+    rows = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: expected a JSON list of bench rows")
+        rows += [dict(r, _file=Path(path).name) for r in data if isinstance(r, dict)]
+    return rows
+
+
+def _envelope(points):
+    """Best TFLOP/s at or below each length, one point per length. The kernel rows hold the CTA
+    count fixed, so a longer loop can only amortise more; a lower reading at a longer length is run
+    noise, and noise only ever slows a kernel."""
+    best, out = 0.0, {}
+    for s, t in sorted(points):
+        best = max(best, t)
+        out[s] = best
+    return [[s, t] for s, t in out.items()]
+
+
+def _bare(cal, backend):
+    gpu, nvlink = _gpu_and_link(cal, backend)
+    return Topology(cal["gpu"], "refit", gpu, 2, nvlink, FREE_LINK, backend)
+
+
+def fit_link(name, points, source):
+    """Least-squares latency + bytes/bandwidth through (bytes, ms) points."""
+    n = len(points)
+    mx = sum(b for b, _ in points) / n
+    my = sum(t for _, t in points) / n
+    sxx = sum((b - mx) ** 2 for b, _ in points)
+    if n < 2 or sxx == 0:
+        b, t = points[0]
+        return Link(name, b / (t * 1e-3) / 1e9, 0.0, source)
+    slope = sum((b - mx) * (t - my) for b, t in points) / sxx  # ms per byte
+    latency = max(0.0, my - slope * mx)
+    return Link(name, 1e3 / slope / 1e9 if slope > 0 else float("inf"), latency, source)
+
+
+def fit_step_overhead(topo, rows):
+    """((forward, backward) overhead ms, (forward, backward) slope, number of steps) from the rows'
+    per-step timelines: a robust line, measured = overhead + slope * model, through every rank's
+    steps, the model being this one's kernel + memory time for the step.
+
+    The intercept is what a ring step costs beyond its work and what the kernel rows (back-to-back
+    calls of one kernel) cannot see: launch gaps between a step's ops, allocation, NCCL kernels
+    sharing the SMs. The slope says how fast this run's kernels ran against the kernel rows (another
+    run, maybe another machine; the two GPUs of one run differ by up to 11% on identical steps). The
+    two belong together: an intercept used without its slope is off by (slope - 1) x the step, which
+    at 150 ms backward steps and a slope of 1.03 turned it negative (-0.4 ms per step at ec5cf12)."""
+    bare = replace(topo, step_overhead_ms=(0.0, 0.0), kernel_scale=(1.0, 1.0))
+    points = ([], [])
+    for r in rows:
+        shape, world = _row_shape(r), r["world"]
+        for rank, spans in enumerate(r["step_ms_by_rank"]):
+            fwd, bwd, _ = _rank_ms(bare, shape, world, _rank_steps(shape, world, rank))
+            points[0].extend(zip(fwd, spans["fwd_compute"]))
+            points[1].extend(zip(bwd, spans["bwd_compute"]))
+    lines = [_theil_sen(p) for p in points]
+    # A step cannot cost less than its work: a negative intercept says the model's kernel times are
+    # off by step length (the kernel rows' CTA counts are not the ring's), not that steps save time.
+    return tuple(max(0.0, c) for c, _ in lines), tuple(s for _, s in lines), sum(map(len, points))
+
+
+def _theil_sen(points):
+    """(intercept, slope) of the Theil-Sen line through (x, y) points: medians of the pairwise slopes
+    and of the intercepts they leave, so a minority of noisy steps cannot move it. Slope 1 when all
+    x are equal (one step shape: only the gap is known)."""
+    slopes = [(y1 - y0) / (x1 - x0) for (x0, y0), (x1, y1) in itertools.combinations(points, 2) if x1 != x0]
+    slope = statistics.median(slopes) if slopes else 1.0
+    return statistics.median(y - slope * x for x, y in points), slope
+
+
+def refit(base, paths):
+    """``base`` (a calibration dict) with what the bench rows of ``paths`` measure on its GPU put in:
+    kernel curves (bench/kernels.py rows), the NVLink fit (bench/ring.py forward KV transfers), the
+    per-step overhead (bench/ring.py timelines against this model) and the rows to check against
+    (bench/ring.py efficiency rows, bench/simulate.py efficiency rows)."""
+    rows = [r for r in _rows(paths) if base["gpu"] in str(r.get("device", ""))]
+    cal = json.loads(json.dumps({k: v for k, v in base.items() if k != "_file"}))
+    for backend, key in (("fa4", "fa4_tflops"), ("cute", "ringfa4_tflops")):
+        kernels = [r for r in rows if r.get(key) and r.get("hdim") == 128 and "direction" in r]
+        fitted = []
+        for direction, causal in itertools.product(("fwd", "bwd"), (False, True)):
+            pts = {(r["seq"], r[key]) for r in kernels if (r["direction"], r["causal"]) == (direction, causal)}
+            if pts:
+                fitted.append(f"{direction}/{'causal' if causal else 'full'}")
+                cal["kernels"][backend]["tflops"][fitted[-1]] = _envelope(pts)
+        if fitted:
+            files = ", ".join(sorted({r["_file"] for r in kernels}))
+            rest = "" if len(fitted) == 4 else f"; the other curves: {cal['kernels'][backend]['source']}"
+            cal["kernels"][backend]["source"] = (f"{', '.join(fitted)}: {backend} kernels measured by bench/kernels.py "
+                                                 f"({files}), the best reading at or below each length{rest}")
+    transfers = [(r["kv_bytes_per_step"], ms) for r in rows if r.get("kv_bytes_per_step")
+                 for ms in r.get("step_ms", {}).get("fwd_kv", [])]
+    if transfers:
+        link = fit_link(cal["nvlink"]["name"], transfers, "")
+        cal["nvlink"].update(gbps=link.gbps, latency_ms=link.latency_ms, source=f"fit to {len(transfers)} "
+                             f"forward KV transfers of bench/ring.py on 2 GPUs")
+    for backend in ("fa4", "cute"):
+        timelines = [r for r in rows if r.get("backend") == backend and r.get("step_ms_by_rank")]
+        if timelines:
+            overhead, slope, n = fit_step_overhead(_bare(dict(cal, _file=""), backend), timelines)
+            cal["step_overhead"][backend] = dict(ms=list(overhead), kernel_scale=list(slope), source=(
+                f"intercept of a Theil-Sen line through {n} step compute spans of bench/ring.py against this "
+                f"model's kernel + memory time; its slopes {slope[0]:.3f} / {slope[1]:.3f} (that run's kernels "
+                f"vs the kernel rows) scale the kernel times of the ring and the 1-GPU call"))
+    checks = [_check_row(r) for r in rows if r.get("efficiency") and ("ringfa4_ms" in r or r.get("kind") == "efficiency")]
+    if checks:
+        cal["checks"] = checks
+    return cal
+
+
+CHECK_FIELDS = ("backend", "seq", "heads", "kv_heads", "head_dim", "causal", "dtype", "world", "efficiency",
+                "ringfa4_ms", "single_ms", "head_world", "ring_world", "rank_ms", "seq_used")
+
+
+def _check_row(r):
+    row = {k: r[k] for k in CHECK_FIELDS if k in r}
+    if r.get("kind") == "efficiency":  # bench/simulate.py: the backend is a module name
+        row.update(kind="simulated", backend="cute" if r["backend"].endswith("cute") else r["backend"].split(".")[-1],
+                   dtype=r.get("dtype", "bfloat16"))
+    else:
+        row["kind"] = "ring"
+    return row
+
+
 # ---------------------------------------------------------------- command line
 
 WORLDS = (2, 4, 8, 16, 32, 64, 72, 144, 288, 576)
 DTYPE_BYTES = {"bf16": 2, "fp16": 2}
+ROW_DTYPE_BYTES = {"bfloat16": 2, "float16": 2}  # torch dtype names in bench rows
+
+
+def _row_shape(r):
+    return Shape(r["heads"], r["kv_heads"], r["head_dim"], r["seq"], r["causal"], ROW_DTYPE_BYTES[r["dtype"]])
 
 
 def _err(predicted, measured):
     return f"{predicted / measured - 1:+6.1%}"
 
 
-def report(topo, shape, worlds, measured):
+def _header(topo, shape):
     g, nv, net = topo.gpu, topo.nvlink, topo.network
-    out = [f"== {topo.name}: {topo.description}",
-           f"   kernel TFLOP/s: {g.source}",
-           f"   {nv.name}: {nv.gbps:.0f} GB/s + {nv.latency_ms * 1e3:.0f} us per transfer ({nv.source})",
-           f"   {net.name}: {net.gbps:.0f} GB/s + {net.latency_ms * 1e3:.0f} us per transfer ({net.source})",
-           f"   HBM {g.hbm_gbps:.0f} GB/s nominal, {HBM_EFFICIENCY:.0%} reached by the ring's memory-bound passes",
-           "   kernel time of a step: its FLOPs at the TFLOP/s of its own loop length (keys per query tile forward, "
-           "queries per key tile backward)",
-           f"   per-step overhead {topo.step_overhead_ms[0]:.3f} ms forward, {topo.step_overhead_ms[1]:.3f} ms backward "
-           f"({topo.overhead_source}); not charged to the 1-GPU call: the kernel rows time whole calls",
-           f"   {'causal' if shape.causal else 'full'} attention, seq {shape.seq}, heads {shape.heads}/{shape.kv_heads}, "
-           f"head_dim {shape.head_dim}, {shape.elem * 8}-bit; zigzag layout",
-           "      W    local  link       fwd step ms (compute | kv)   bwd step ms (compute | kv+dkv)   "
-           "outside ms    ring ms   1-GPU ms  efficiency"]
+    return [f"== {topo.name}: {topo.description}",
+            f"   kernel TFLOP/s ({topo.backend}): {g.source}",
+            f"   {nv.name}: {nv.gbps:.0f} GB/s + {nv.latency_ms * 1e3:.0f} us per transfer ({nv.source})",
+            f"   {net.name}: {net.gbps:.0f} GB/s + {net.latency_ms * 1e3:.0f} us per transfer ({net.source})",
+            f"   HBM {g.hbm_gbps:.0f} GB/s nominal, assumed {HBM_EFFICIENCY:.0%} reached by the memory-bound passes",
+            f"   per ring step overhead {topo.step_overhead_ms[0]:.3f} ms forward, {topo.step_overhead_ms[1]:.3f} ms "
+            f"backward ({topo.overhead_source}); not charged to the 1-GPU call: the kernel rows time whole calls",
+            f"   {'causal' if shape.causal else 'full'} attention, seq {shape.seq}, heads {shape.heads}/{shape.kv_heads}, "
+            f"head_dim {shape.head_dim}, {shape.elem * 8}-bit; zigzag layout; a head group is U consecutive GPUs",
+            "      W   U x R     seq used  links (a2a/ring)  ring steps fwd|bwd ms  a2a ms   rank ms  1-GPU ms  "
+            "efficiency"]
+
+
+def _split_line(topo, s, best):
+    a2a = "-" if s.head_world == 1 else ("NVLink" if s.head_world <= topo.domain else "IB")
+    ring = "-" if s.ring_world == 1 else ("NVLink" if s.world <= topo.domain else "IB")
+    steps = (f"{s.ring.fwd_compute[-1]:8.3f} | {s.ring.bwd_compute[0]:8.3f}" if s.ring else f"{'one call':>19s}")
+    return (f"   {s.world:4d}  {s.head_world:2d} x {s.ring_world:<3d} {s.seq:9d}  {a2a:>6s} / {ring:6s}   {steps}"
+            f"   {s.a2a_ms:7.3f} {s.rank_ms:9.2f} {s.single_ms:9.2f}   {s.efficiency:6.3f}{'  <- best' if best else ''}")
+
+
+def _check_lines(topo):
+    out = []
+    for r in topo.checks:
+        shape = _row_shape(r)
+        if r["kind"] == "ring":
+            p = predict(topo, shape, r["world"])
+            out.append(f"   ring      {r['seq']:8d} W={r['world']:<3d} 1 x {r['world']:<3d} efficiency {r['efficiency']:.3f}"
+                       f" | {p.efficiency:.3f} ({_err(p.efficiency, r['efficiency'])})   ring ms {r['ringfa4_ms']:.2f} | "
+                       f"{p.ring_ms:.2f} ({_err(p.ring_ms, r['ringfa4_ms'])})")
+        else:
+            s = predict_split(topo, shape, r["head_world"], r["ring_world"], links=False)
+            measured = max(r["rank_ms"].values())
+            out.append(f"   simulated {r['seq']:8d} W={r['world']:<3d} {r['head_world']} x {r['ring_world']:<3d} "
+                       f"efficiency {r['efficiency']:.3f} | {s.efficiency:.3f} ({_err(s.efficiency, r['efficiency'])})   "
+                       f"rank ms {measured:.2f} | {s.rank_ms:.2f} ({_err(s.rank_ms, measured)})")
+    if out:
+        files = ", ".join(sorted({r["_file"] for r in topo.checks}))
+        out.insert(0, f"   measured vs predicted (rows of {files}; errors are predicted / measured - 1; simulated "
+                      "rows against the model with free links):")
+    return out
+
+
+def report(topo, shape, worlds, max_head_group):
+    out = _header(topo, shape)
     for w in worlds:
-        if shape.seq % (2 * w) or shape.seq // w < 256:
-            out.append(f"   W={w}: seq {shape.seq} is not a multiple of {2 * w} with >= 256 tokens per rank, not modelled")
-            continue
-        p = predict(topo, shape, w)
-        out.append(f"   {w:4d} {p.local:8d}  {'NVLink' if w <= topo.domain else 'IB':6s}   "
-                   f"{p.fwd_compute[-1]:8.3f} | {max(p.fwd_transfer):7.3f}            {p.bwd_compute[0]:8.3f} | "
-                   f"{max(p.bwd_transfer):7.3f}            {p.extra_ms:7.3f}  {p.ring_ms:8.2f} {p.single_ms:9.2f}   {p.efficiency:6.3f}")
-    for label, w in (("NVLink", min(topo.domain, 2) if topo.domain > 1 else None), ("IB", topo.domain + 1)):
-        if w is None or w < 2:
-            continue
-        chunk = hiding_chunk(topo, shape, w)
-        out.append(f"   smallest local chunk whose compute hides the transfers over {label}: "
-                   f"{chunk if chunk else '> 64M'} tokens per rank")
-    if measured:
-        out.append("   measured vs predicted (ring.json rows; errors are predicted / measured - 1):")
-        out.append("   backend    seq  causal  heads/kv  efficiency meas | pred (err)   ring ms meas | pred (err)   "
-                   "1-GPU ms meas | pred (err)")
-    for r in measured:
-        p = predict(topo, _row_shape(r), r["world"])
-        out.append(f"   {r['backend']:7s} {r['seq']:6d}  {'yes' if r['causal'] else 'no':6s}  {r['heads']:2d}/{r['kv_heads']:<2d}"
-                   f"      {r['efficiency']:6.3f} | {p.efficiency:5.3f} ({_err(p.efficiency, r['efficiency'])})"
-                   f"   {r['ringfa4_ms']:7.2f} | {p.ring_ms:7.2f} ({_err(p.ring_ms, r['ringfa4_ms'])})"
-                   f"   {r['single_ms']:7.2f} | {p.single_ms:7.2f} ({_err(p.single_ms, r['single_ms'])})")
-    return "\n".join(out)
+        options = splits(topo, shape, w, max_head_group)
+        best = max(options, key=lambda s: s.efficiency)
+        for s in options:
+            out.append(_split_line(topo, s, s is best and len(options) > 1))
+        moved = sorted({s.seq for s in options if s.seq != shape.seq})
+        if moved:
+            out.append(f"      (seq {shape.seq} does not split into whole {ALIGN}-row tiles over some of these; "
+                       f"the nearest lengths that do are modelled: {', '.join(map(str, moved))})")
+    for label, w in (("NVLink", 2 if topo.domain > 1 else None), ("IB", topo.domain + 1)):
+        if w is not None:
+            chunk = hiding_chunk(topo, shape, w)
+            out.append(f"   smallest local chunk whose compute hides the ring's transfers over {label}: "
+                       f"{chunk if chunk else '> 64M'} tokens per rank")
+    return "\n".join(out + _check_lines(topo))
 
 
-def main(argv=None):
-    names = sorted(presets())
+def _parser():
     p = argparse.ArgumentParser(prog="python -m ringfa4.plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="all", help=f"one of {names} or 'all'")
+    p.add_argument("--preset", default="all", help="a topology name or 'all'")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--seq", type=int, default=9 << 17,
-                   help="total sequence length over the ring (default 1179648 = 9 x 128k: splits into 2 x 576 chunks)")
+    p.add_argument("--seq", type=int, default=1 << 17, help="total sequence length")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--dtype", default="bf16", help=f"one of {sorted(DTYPE_BYTES)}")
-    p.add_argument("--backend", default="fa4", choices=("fa4", "cute"), help="whose kernel TFLOP/s to read from bench/results")
+    p.add_argument("--backend", default="fa4", choices=("fa4", "cute"), help="whose kernel TFLOP/s and step overhead")
     p.add_argument("--worlds", default=",".join(map(str, WORLDS)))
-    p.add_argument("--results", default=default_results_dir(), help="folder of bench JSON rows used for calibration")
+    p.add_argument("--max-head-group", type=int, default=8, help="largest head group U modelled")
+    p.add_argument("--calibration", action="append", default=[], metavar="FILE",
+                   help="a calibration file to use instead of the shipped one of its GPU (repeatable)")
     p.add_argument("--tflops-scale", type=float, default=None, help="multiply the kernel curves (e.g. for other GPUs)")
-    args = p.parse_args(argv)
+    p.add_argument("--refit", default=None, metavar="FILES",
+                   help="comma list of bench JSON files: write a calibration of --gpu from them (see --write)")
+    p.add_argument("--gpu", default="H200", choices=CALIBRATED_GPUS, help="the GPU --refit calibrates")
+    p.add_argument("--write", default=None, metavar="FILE", help="where --refit writes (default: stdout)")
+    return p
+
+
+def _check_args(p, args):
     if args.dtype not in DTYPE_BYTES:
         p.error(f"--dtype must be one of {sorted(DTYPE_BYTES)}, got {args.dtype!r}")
-    for name in ("heads", "kv_heads", "head_dim", "seq"):
+    for name in ("heads", "kv_heads", "head_dim", "seq", "max_head_group"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.heads % args.kv_heads:
         p.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
-    chosen = names if args.preset == "all" else [args.preset]
-    if any(n not in names for n in chosen):
-        p.error(f"--preset must be one of {names} or 'all', got {args.preset!r}")
     worlds = [int(w) for w in args.worlds.split(",")]
     if any(w < 2 for w in worlds):
         p.error(f"--worlds must all be >= 2, got {args.worlds}")
+    return worlds
+
+
+def main(argv=None):
+    p = _parser()
+    args = p.parse_args(argv)
+    cals = {g: load_calibration(calibration_path(g)) for g in CALIBRATED_GPUS}
+    for path in args.calibration:
+        cal = load_calibration(path)
+        cals[cal["gpu"]] = cal
+    if args.refit:
+        text = json.dumps(refit(cals[args.gpu], args.refit.split(",")), indent=1) + "\n"
+        print(text, end="") if args.write is None else Path(args.write).write_text(text)
+        return
+    worlds = _check_args(p, args)
+    topos = presets(args.backend, cals)
+    chosen = sorted(topos) if args.preset == "all" else [args.preset]
+    if any(n not in topos for n in chosen):
+        p.error(f"--preset must be one of {sorted(topos)} or 'all', got {args.preset!r}")
     shape = Shape(args.heads, args.kv_heads, args.head_dim, args.seq, args.causal, DTYPE_BYTES[args.dtype])
-    rows = _rows(args.results) if os.path.isdir(args.results) else []
-    topos = {name: calibrate(topo, rows, args.backend, args.head_dim) for name, topo in presets().items()}
-    # The per-step overhead is launch, allocation and host time of our ring code, so where only
-    # another GPU's timeline was measured, its value is the best guess there is.
-    fitted = next((t for t in topos.values() if t.overhead_source != NO_OVERHEAD), None)
     for name in chosen:
         topo = topos[name]
-        if fitted and topo.overhead_source == NO_OVERHEAD:
-            topo = replace(topo, step_overhead_ms=fitted.step_overhead_ms,
-                           overhead_source=f"assumed as on {fitted.gpu.name}: {fitted.overhead_source}")
         if args.tflops_scale:
             topo = replace(topo, gpu=replace(topo.gpu, tflops={k: tuple((s, t * args.tflops_scale) for s, t in v)
                                                                    for k, v in topo.gpu.tflops.items()},
                                              source=f"{topo.gpu.source} x {args.tflops_scale}"))
-        measured = [r for r in rows if r.get("_file") == "ring.json" and topo.gpu.match in str(r.get("device", ""))
-                    and r.get("world", 0) <= max(topo.domain, 2) and r.get("backend") == args.backend
-                    and r.get("efficiency")]
-        print(report(topo, shape, worlds, measured))
+        print(report(topo, shape, worlds, args.max_head_group))
         print()
 
 

@@ -1,15 +1,47 @@
-"""The ring performance model (python -m ringfa4.plan): its arithmetic, calibration and command line."""
+"""The performance model (python -m ringfa4.plan): its arithmetic, its calibration files, heads x
+ring splits and the command line."""
+import fnmatch
 import json
 import math
+import tomllib
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
-from ringfa4 import plan
+from ringfa4 import flops, plan
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _shape(seq=32768, heads=32, kv_heads=8, causal=True):
     return plan.Shape(heads, kv_heads, 128, seq, causal, 2)
+
+
+def _h200(**changes):
+    return replace(plan.presets()["h200-x2"], **changes)
+
+
+def test_the_shipped_calibration_files_load_and_are_package_data():
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["ringfa4"]
+    for gpu in plan.CALIBRATED_GPUS:
+        path = plan.calibration_path(gpu)
+        assert any(fnmatch.fnmatch(f"data/{path.name}", p) for p in patterns), path.name
+        cal = plan.load_calibration(path)
+        assert cal["gpu"] == gpu and set(cal["kernels"]) == {"fa4", "cute"}
+
+
+def test_every_number_names_the_file_or_the_assumption_it_comes_from():
+    for backend in ("fa4", "cute"):
+        for topo in plan.presets(backend).values():
+            for source in (topo.gpu.source, topo.nvlink.source, topo.network.source, topo.overhead_source):
+                assert "calibration-h" in source or source.startswith("assumed"), source
+
+
+def test_a_calibration_of_another_format_is_refused(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps({"format": 99}))
+    with pytest.raises(ValueError, match="calibration format 99"):
+        plan.load_calibration(str(tmp_path / "c.json"))
 
 
 def test_link_fit_recovers_latency_and_bandwidth():
@@ -17,27 +49,21 @@ def test_link_fit_recovers_latency_and_bandwidth():
     points = [(b, latency_ms + b / (gbps * 1e9) * 1e3) for b in (1 << 24, 1 << 26, 1 << 28)]
     link = plan.fit_link("test", points, "synthetic")
     assert link.gbps == pytest.approx(gbps, rel=1e-9) and link.latency_ms == pytest.approx(latency_ms, rel=1e-9)
-    assert link.ms(1 << 27) == pytest.approx(latency_ms + (1 << 27) / (gbps * 1e9) * 1e3)
-
-
-def test_nvlink_default_reproduces_the_measured_exchange_rates_within_10_percent():
-    link = plan.presets()["h200-x2"].nvlink
-    for nbytes, gbps in plan.NVLINK4_EXCHANGE:
-        assert nbytes / (link.ms(nbytes) * 1e-3) / 1e9 == pytest.approx(gbps, rel=0.1)
 
 
 def test_kernel_tflops_interpolate_in_log_length_and_clamp_outside_the_table():
-    gpu = plan.presets()["h200-x2"].gpu
-    (s0, t0), (s1, t1) = plan.FA4_H200[("fwd", True)][1:3]
+    gpu = _h200().gpu
+    points = gpu.tflops[("fwd", True)]
+    (s0, t0), (s1, t1) = points[1:3]
     assert gpu.kernel_tflops("fwd", True, math.sqrt(s0 * s1)) == pytest.approx((t0 + t1) / 2)
-    assert gpu.kernel_tflops("fwd", True, 10) == plan.FA4_H200[("fwd", True)][0][1]
-    assert gpu.kernel_tflops("fwd", True, 1 << 30) == plan.FA4_H200[("fwd", True)][-1][1]
+    assert gpu.kernel_tflops("fwd", True, 10) == points[0][1]
+    assert gpu.kernel_tflops("fwd", True, 1 << 30) == points[-1][1]
 
 
-def test_single_gpu_time_is_flops_over_the_tables_tflops():
-    topo, shape = plan.presets()["h200-x2"], _shape(seq=16384, heads=32)
-    flops = 4 * 16384**2 * 32 * 128 / 2
-    expected = flops / 603e12 * 1e3 + 2.5 * flops / 590e12 * 1e3  # H200 FA4 causal fwd / bwd at 16k
+def test_single_gpu_time_is_flops_over_the_curves_tflops():
+    topo, shape = _h200(kernel_scale=(1.0, 1.0)), _shape(seq=16384)
+    expected = sum(flops.attention(1, 16384, 16384, 32, 128, True, d) / topo.gpu.kernel_tflops(d, True, 16384) / 1e9
+                   for d in ("fwd", "bwd"))
     assert plan.single_ms(topo, shape) == pytest.approx(expected)
 
 
@@ -45,8 +71,6 @@ def test_a_slow_link_makes_the_ring_as_slow_as_its_transfers():
     topo = plan.presets()["ib-400g"]
     slow = replace(topo, network=replace(topo.network, gbps=0.01))  # 10 MB/s: transfers dominate
     p = plan.predict(slow, _shape(seq=8192), 4)
-    # forward: kv during steps 0-2, step 3 computes alone; backward (remote blocks first, local last):
-    # kv during steps 0-1, the previous step's dK/dV during steps 1-3.
     transfers = 3 * p.kv_ms + p.kv_ms + (p.kv_ms + p.dkv_ms) + 2 * p.dkv_ms
     assert p.ring_ms == pytest.approx(transfers + p.fwd_compute[-1] + p.extra_ms)
     assert p.efficiency < 0.01
@@ -63,66 +87,44 @@ def test_hiding_chunk_is_the_smallest_length_whose_compute_covers_every_transfer
     chunk = plan.hiding_chunk(topo, shape, 2)
 
     def hidden(local):
-        p = plan.predict(topo, replace(shape, seq=2 * local), 2)  # W=2: fwd step 0 kv, bwd step 1 dK/dV
-        return p.fwd_compute[0] >= p.kv_ms and p.bwd_compute[1] >= p.dkv_ms
+        p = plan.predict(topo, replace(shape, seq=2 * local), 2)
+        return p.fwd_compute[0] - topo.step_overhead_ms[0] >= p.kv_ms and \
+            p.bwd_compute[1] - topo.step_overhead_ms[1] >= p.dkv_ms
 
     assert chunk % 256 == 0 and hidden(chunk) and not hidden(chunk - 256)
 
 
-def test_results_files_calibrate_kernels_and_link_of_their_gpu_only(tmp_path):
+def test_the_model_takes_each_ranks_steps_from_the_rings_schedule():
+    shape = _shape(seq=16384)
+    assert plan._rank_steps(shape, 2, 0) == [(8192, 8192, True), (4096, 8192, False)]
+    assert plan._rank_steps(shape, 2, 1) == [(8192, 8192, True), (8192, 4096, False)]
+
+
+def _base():
+    return plan.load_calibration(plan.calibration_path("H200"))
+
+
+def test_refit_takes_kernels_and_link_of_its_gpu_only_from_the_files_given(tmp_path):
     kernels = [dict(device="NVIDIA H200", direction=d, hdim=128, seq=s, causal=c, fa4_tflops=100.0 + s / 1024)
                for d in ("fwd", "bwd") for c in (False, True) for s in (2048, 8192)]
     kernels.append(dict(kernels[0], device="NVIDIA H100 80GB HBM3", fa4_tflops=1.0))
     ring = [dict(device="NVIDIA H200", world=2, kv_bytes_per_step=b, step_ms=dict(fwd_kv=[0.1 + b / 200e6]))
             for b in (1 << 24, 1 << 26)]
-    (tmp_path / "kernels.json").write_text(json.dumps(kernels))
-    (tmp_path / "ring.json").write_text(json.dumps(ring))
-    topo = plan.calibrate(plan.presets()["h200-x2"], plan._rows(str(tmp_path)), "fa4", 128)
-    assert topo.gpu.tflops[("bwd", True)] == ((2048, 102.0), (8192, 108.0))
-    assert "kernels.json" in topo.gpu.source
-    assert topo.nvlink.gbps == pytest.approx(200.0) and topo.nvlink.latency_ms == pytest.approx(0.1)
-    assert "ring.json" in topo.nvlink.source
-    untouched = plan.calibrate(plan.presets()["gb200-nvl72"], plan._rows(str(tmp_path)), "fa4", 128)
-    assert untouched == plan.presets()["gb200-nvl72"]
+    (tmp_path / "k.json").write_text(json.dumps(kernels))
+    (tmp_path / "r.json").write_text(json.dumps(ring))
+    cal = plan.refit(_base(), [tmp_path / "k.json", tmp_path / "r.json"])
+    assert cal["kernels"]["fa4"]["tflops"]["bwd/causal"] == [[2048, 102.0], [8192, 108.0]]
+    assert "k.json" in cal["kernels"]["fa4"]["source"] and "k.json" not in cal["kernels"]["cute"]["source"]
+    assert cal["nvlink"]["gbps"] == pytest.approx(200.0) and cal["nvlink"]["latency_ms"] == pytest.approx(0.1)
 
 
-def test_measured_ring_rows_are_printed_beside_the_prediction(tmp_path, capsys):
-    row = dict(device="NVIDIA H200", world=2, seq=32768, causal=True, heads=32, kv_heads=8, head_dim=128,
-               dtype="bfloat16", backend="fa4", efficiency=0.9, ringfa4_ms=30.0, single_ms=54.0)
-    (tmp_path / "ring.json").write_text(json.dumps([row]))
-    plan.main(["--preset", "h200-x2", "--results", str(tmp_path), "--worlds", "2"])
-    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.split()[:2] == ["fa4", "32768"])
-    p = plan.predict(plan.presets()["h200-x2"], _shape(), 2)
-    assert f"0.900 | {p.efficiency:.3f} ({p.efficiency / 0.9 - 1:+6.1%})" in line
-    assert f"30.00 | {p.ring_ms:7.2f}" in line and f"54.00 | {p.single_ms:7.2f}" in line
-
-
-def test_a_step_runs_at_the_kernel_speed_of_its_own_loop_length():
-    gpu, shape = plan.presets()["h200-x2"].gpu, _shape()
-    flops = 4 * 4096 * 8192 * 32 * 128
-    # forward: one CTA per query tile loops over the keys; backward: one per key tile, over the queries
-    assert plan._kernel_ms(gpu, shape, "fwd", 4096, 8192, False) == pytest.approx(
-        flops / gpu.kernel_tflops("fwd", False, 8192) / 1e9)
-    assert plan._kernel_ms(gpu, shape, "bwd", 4096, 8192, False) == pytest.approx(
-        2.5 * flops / gpu.kernel_tflops("bwd", False, 4096) / 1e9)
-
-
-def test_the_model_takes_each_ranks_steps_from_the_rings_schedule():
-    shape = _shape(seq=16384)  # W = 2: L = 8192 tokens per rank in two chunks of 4096
-    assert plan._rank_steps(shape, 2, 0) == [(8192, 8192, True), (4096, 8192, False)]
-    assert plan._rank_steps(shape, 2, 1) == [(8192, 8192, True), (8192, 4096, False)]
-    assert plan._rank_steps(replace(shape, causal=False), 2, 1) == [(8192, 8192, False)] * 2
-
-
-def test_kernel_curves_keep_the_best_reading_at_or_below_each_length(tmp_path):
-    rows = [dict(device="NVIDIA H200", direction=d, hdim=128, seq=s, causal=c, fa4_tflops=t, _file="kernels.json")
-            for d in ("fwd", "bwd") for c in (False, True) for s, t in ((4096, 500.0), (8192, 600.0), (16384, 550.0))]
-    topo = plan.calibrate(plan.presets()["h200-x2"], rows, "fa4", 128)
-    assert topo.gpu.tflops[("bwd", True)] == ((4096, 500.0), (8192, 600.0), (16384, 600.0))
+def test_kernel_curves_keep_the_best_reading_at_or_below_each_length():
+    assert plan._envelope({(4096, 500.0), (8192, 600.0), (16384, 550.0), (8192, 580.0)}) == \
+        [[4096, 500.0], [8192, 600.0], [16384, 600.0]]
 
 
 def _timeline_rows(topo, overhead, slope, seqs=(16384, 32768, 65536)):
-    """ring.json rows whose every step took overhead + slope * (the model's kernel + memory time)."""
+    """bench/ring.py rows whose every step took overhead + slope * (the model's kernel + memory time)."""
     rows = []
     for seq in seqs:
         shape = _shape(seq=seq)
@@ -132,64 +134,93 @@ def _timeline_rows(topo, overhead, slope, seqs=(16384, 32768, 65536)):
             by_rank.append(dict(fwd_compute=[overhead[0] + slope * t for t in fwd],
                                 bwd_compute=[overhead[1] + slope * t for t in bwd]))
         rows.append(dict(device="NVIDIA H200", world=2, seq=seq, causal=True, heads=32, kv_heads=8, head_dim=128,
-                         dtype="bfloat16", backend="fa4", step_ms_by_rank=by_rank, _file="ring.json"))
+                         dtype="bfloat16", backend="fa4", step_ms_by_rank=by_rank))
     return rows
 
 
 def test_step_overhead_is_the_intercept_of_the_measured_step_times():
-    topo = plan.presets()["h200-x2"]
+    topo = plan._bare(_base(), "fa4")
     rows = _timeline_rows(topo, overhead=(0.2, 0.3), slope=1.05)
     overhead, slope, n = plan.fit_step_overhead(topo, rows)
     assert overhead == pytest.approx((0.2, 0.3)) and slope == pytest.approx((1.05, 1.05)) and n == 3 * 2 * 4
     rows[0]["step_ms_by_rank"][1]["bwd_compute"][0] += 5.0  # one slow step does not move the line
     assert plan.fit_step_overhead(topo, rows)[0] == pytest.approx((0.2, 0.3))
+    overhead, _, _ = plan.fit_step_overhead(topo, _timeline_rows(topo, overhead=(-0.4, 0.1), slope=1.03))
+    assert overhead == (0.0, pytest.approx(0.1))  # a negative intercept is no overhead
 
 
-def test_a_negative_intercept_is_no_step_overhead():
-    topo = plan.presets()["h200-x2"]
-    overhead, slope, _ = plan.fit_step_overhead(topo, _timeline_rows(topo, overhead=(-0.4, 0.1), slope=1.03))
-    assert overhead == (0.0, pytest.approx(0.1)) and slope == pytest.approx((1.03, 1.03))
-
-
-def test_calibrated_overhead_is_added_to_every_ring_step_but_not_to_the_1_gpu_call():
-    topo = plan.presets()["h200-x2"]
-    fitted = plan.calibrate(topo, _timeline_rows(topo, overhead=(0.2, 0.3), slope=1.0), "fa4", 128)
-    assert fitted.step_overhead_ms == pytest.approx((0.2, 0.3)) and "ring.json" in fitted.overhead_source
-    shape = _shape(seq=65536)
-    bare, charged = plan.predict(topo, shape, 2), plan.predict(fitted, shape, 2)
-    assert [b - a for a, b in zip(bare.fwd_compute + bare.bwd_compute, charged.fwd_compute + charged.bwd_compute)] \
-        == pytest.approx([0.2, 0.2, 0.3, 0.3])
-    assert charged.single_ms == bare.single_ms
-
-
-def test_calibrated_kernel_speed_scales_the_ring_steps_and_the_1_gpu_call_alike():
-    topo, shape = plan.presets()["h200-x2"], _shape(seq=65536)
-    fitted = plan.calibrate(topo, _timeline_rows(topo, overhead=(0.0, 0.0), slope=1.05), "fa4", 128)
-    assert fitted.kernel_scale == pytest.approx((1.05, 1.05))
-    bare, scaled = plan.predict(topo, shape, 2), plan.predict(fitted, shape, 2)
-    assert scaled.single_ms == pytest.approx(1.05 * bare.single_ms)
-    # kernels 5% slower, the memory-bound passes inside the steps as fast as before
-    ratios = [b / a for a, b in zip(bare.fwd_compute + bare.bwd_compute, scaled.fwd_compute + scaled.bwd_compute)]
-    assert all(1.0 < r <= 1.05 + 1e-9 for r in ratios), ratios
+def test_refit_writes_the_fitted_overhead_and_the_model_charges_it_to_every_ring_step(tmp_path):
+    topo = plan._bare(_base(), "fa4")
+    (tmp_path / "ring.json").write_text(json.dumps(_timeline_rows(topo, overhead=(0.2, 0.3), slope=1.0)))
+    cal = plan.refit(_base(), [tmp_path / "ring.json"])
+    assert cal["step_overhead"]["fa4"]["ms"] == pytest.approx([0.2, 0.3])
+    bare, charged = _h200(step_overhead_ms=(0.0, 0.0)), _h200(step_overhead_ms=(0.2, 0.3))
+    p0, p1 = plan.predict(bare, _shape(seq=65536), 2), plan.predict(charged, _shape(seq=65536), 2)
+    assert [b - a for a, b in zip(p0.fwd_compute + p0.bwd_compute, p1.fwd_compute + p1.bwd_compute)] == \
+        pytest.approx([0.2, 0.2, 0.3, 0.3])
+    assert p1.single_ms == p0.single_ms
 
 
 def test_a_fixed_step_overhead_does_not_count_as_hiding_transfers():
     topo, shape = plan.presets()["ib-400g"], _shape()
-    slow_steps = replace(topo, step_overhead_ms=(100.0, 100.0))  # longer than any transfer
-    assert plan.hiding_chunk(slow_steps, shape, 2) == plan.hiding_chunk(topo, shape, 2)
+    assert plan.hiding_chunk(replace(topo, step_overhead_ms=(100.0, 100.0)), shape, 2) == plan.hiding_chunk(topo, shape, 2)
 
 
-def test_cli_covers_every_preset_up_to_two_racks(tmp_path, capsys):
-    plan.main(["--seq", str(9 << 17), "--results", str(tmp_path)])  # divides into 2 x 576 chunks
+def test_a_head_group_of_one_is_the_ring_and_a_ring_of_one_is_one_call_per_rank():
+    topo, shape = plan.presets()["gb200-nvl72"], _shape(seq=1 << 17)
+    ring_only = plan.predict_split(topo, shape, 1, 16)
+    assert ring_only.rank_ms == pytest.approx(plan.predict(topo, shape, 16).ring_ms) and ring_only.a2a_ms == 0
+    heads_only = plan.predict_split(topo, shape, 8, 1)
+    per_rank = plan.single_ms(topo, replace(shape, heads=4, kv_heads=1))
+    assert heads_only.rank_ms == pytest.approx(per_rank + heads_only.a2a_ms) and heads_only.a2a_ms > 0
+
+
+def test_all_to_alls_move_what_the_head_group_trades():
+    topo, shape = plan.presets()["gb200-nvl72"], _shape(seq=1 << 17, heads=32, kv_heads=8)
+    counted = replace(topo.nvlink, latency_ms=0.0, gbps=1.0)  # 1 GB/s: ms = bytes / 1e6
+    u, L, d = 4, (1 << 17) // (4 * 2), 128
+    sent = 2 * (u - 1) * L * d * 2 * (32 // u + 8 // u + 8 // u + 32 // u)  # q, k, v, out and their gradients
+    copies = 2 * 4 * u * L * d * 2 * (32 // u + 8 // u + 8 // u + 32 // u)
+    assert plan._a2a_ms(topo, shape, u, 2, counted) == pytest.approx(sent / 1e6 + plan._hbm_ms(topo.gpu, copies))
+
+
+def test_splits_are_those_whose_head_group_divides_the_heads_and_fits_the_domain():
+    topo = plan.presets()["gb200-nvl72"]
+    assert [s.head_world for s in plan.splits(topo, _shape(heads=32, kv_heads=8), 72, 8)] == [1, 2, 4, 8]
+    assert [s.head_world for s in plan.splits(topo, _shape(heads=24, kv_heads=8), 16, 16)] == [1, 2, 4, 8]
+    assert [s.head_world for s in plan.splits(plan.presets()["ib-400g"], _shape(), 8, 8)] == [1]
+
+
+def test_w72_models_the_nearest_length_that_splits_instead_of_refusing(capsys):
+    plan.main(["--preset", "gb200-nvl72", "--seq", str(1 << 17), "--worlds", "72"])
+    out = capsys.readouterr().out
+    assert " 72   8 x 9 " in out and "129024" in out and "<- best" in out
+
+
+def test_cli_covers_every_preset_up_to_two_racks(capsys):
+    plan.main(["--seq", str(9 << 17)])
     out = capsys.readouterr().out
     for name in plan.presets():
         assert f"== {name}:" in out
-    assert "smallest local chunk" in out and " 144 " in out and " 72 " in out and " 576 " in out
+    assert "smallest local chunk" in out and " 576 " in out
 
 
-def test_worlds_the_sequence_does_not_divide_are_reported_not_dropped(tmp_path, capsys):
-    plan.main(["--preset", "gb200-nvl72", "--seq", str(1 << 20), "--worlds", "8,72", "--results", str(tmp_path)])
-    assert "W=72: seq 1048576 is not a multiple of 144" in capsys.readouterr().out
+def test_measured_rows_in_the_calibration_are_printed_beside_the_prediction(tmp_path, capsys):
+    cal = _base()
+    ring_row = dict(kind="ring", backend="fa4", world=2, seq=32768, causal=True, heads=32, kv_heads=8, head_dim=128,
+                    dtype="bfloat16", efficiency=0.9, ringfa4_ms=30.0, single_ms=54.0)
+    sim_row = dict(kind="simulated", backend="fa4", world=8, head_world=2, ring_world=4, seq=1 << 17, causal=True,
+                   heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", efficiency=0.8, rank_ms={"0": 40.0, "3": 41.0})
+    cal["checks"] = [ring_row, sim_row]
+    path = tmp_path / "calibration-h200.json"
+    path.write_text(json.dumps({k: v for k, v in cal.items() if k != "_file"}))
+    plan.main(["--preset", "h200-x2", "--calibration", str(path), "--worlds", "2"])
+    out = capsys.readouterr().out
+    topo = plan.presets("fa4", {"H200": plan.load_calibration(str(path)), "H100": _base() | {"gpu": "H100"}})["h200-x2"]
+    p = plan.predict(topo, _shape(), 2)
+    assert f"efficiency 0.900 | {p.efficiency:.3f} ({p.efficiency / 0.9 - 1:+6.1%})" in out
+    s = plan.predict_split(topo, _shape(seq=1 << 17), 2, 4, links=False)
+    assert f"rank ms 41.00 | {s.rank_ms:.2f} ({s.rank_ms / 41 - 1:+6.1%})" in out and str(path) in out
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -203,11 +234,3 @@ def test_bad_arguments_are_named_in_the_error(argv, needle, capsys):
     with pytest.raises(SystemExit):
         plan.main(argv)
     assert needle in capsys.readouterr().err
-
-
-def test_presets_without_a_timeline_of_their_gpu_assume_the_measured_overhead(tmp_path, capsys):
-    topo = plan.presets()["h200-x2"]
-    (tmp_path / "ring.json").write_text(json.dumps(_timeline_rows(topo, overhead=(0.2, 0.3), slope=1.0)))
-    plan.main(["--preset", "all", "--results", str(tmp_path), "--worlds", "8"])
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if "per-step overhead 0.200 ms forward, 0.300 ms" in ln]
-    assert len(lines) == len(plan.presets()) and sum("assumed as on H200" in ln for ln in lines) == len(lines) - 1
