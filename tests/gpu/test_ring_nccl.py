@@ -98,29 +98,20 @@ def _skip_unless(backend, q, k, v, causal):
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_two_gpu_ring_matches_one_gpu_attention(world, backend, shape, layout, causal):
-    b, seq, h, hk, d = shape
-    gen = torch.Generator(device="cuda").manual_seed(_shared_seed())
-    q, k, v, dout = (
-        torch.randn(b, seq, n, d, device="cuda", generator=gen).to(torch.bfloat16) for n in (h, hk, hk, h)
-    )
-    _skip_unless(backend, q, k, v, causal)
+    (q, k, v, dout), ref, single = _references(shape, causal, backend)
+    failures = _ring_failures(q, k, v, dout, ref, single, dict(causal=causal, layout=layout, backend=backend))
+    assert not failures, f"{backend} {layout} causal={causal} {shape}: " + "; ".join(failures)
 
-    leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
-    out64, lse64 = attention_fp64(*leaves64, causal=causal)
-    grads64 = torch.autograd.grad(out64, leaves64, dout.double())
-    ref = dict(out=out64, lse=lse64, **{f"d{n}": g for n, g in zip("qkv", grads64)})
-    del leaves64, out64, lse64, grads64
 
-    _poison_allocator()
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    out1, lse1 = ringfa4.attention(*full, causal=causal, backend=backend)
-    single = dict(out=out1, lse=lse1, **{f"d{n}": g for n, g in zip("qkv", torch.autograd.grad(out1, full, dout))})
+def _ring_failures(q, k, v, dout, ref, single, args, group=None, head_group=None):
+    """Every rank's failures of the ring (over group x head_group) against fp64 and one GPU."""
+    def mine(t, dim=1):
+        return ringfa4.shard(t, dim=dim, group=group, layout=args["layout"], head_group=head_group)
 
-    _poison_allocator()
-    local = [ringfa4.shard(t, layout=layout).requires_grad_() for t in (q, k, v)]
+    local = [mine(t).requires_grad_() for t in (q, k, v)]
     try:  # an error on one rank must reach the other, which would otherwise wait in _agree
-        out, lse = ringfa4.ring_attention(*local, causal=causal, layout=layout, backend=backend, return_lse=True)
-        grads = torch.autograd.grad(out, local, ringfa4.shard(dout, layout=layout))
+        out, lse = ringfa4.ring_attention(*local, group=group, head_group=head_group, return_lse=True, **args)
+        grads = torch.autograd.grad(out, local, mine(dout))
     except Exception as e:
         # First to stderr: if the other rank is inside the ring's transfers, _agree cannot finish.
         traceback.print_exception(e, file=sys.stderr)
@@ -132,8 +123,7 @@ def test_two_gpu_ring_matches_one_gpu_attention(world, backend, shape, layout, c
     failures = []
     for name, got in ring.items():
         dim = 2 if name == "lse" else 1
-        want = ringfa4.shard(ref[name], dim=dim, layout=layout)
-        one = ringfa4.shard(single[name], dim=dim, layout=layout)
+        want, one = mine(ref[name], dim), mine(single[name], dim)
         if got.shape != want.shape or got.dtype != one.dtype:
             failures.append(f"{name}: {got.dtype} {tuple(got.shape)}, expected {one.dtype} {tuple(want.shape)}")
             continue
@@ -145,9 +135,44 @@ def test_two_gpu_ring_matches_one_gpu_attention(world, backend, shape, layout, c
         bound = 2 * (one.double() - want).abs().max().item() + atol
         if err > bound:
             failures.append(f"{name}: error vs fp64 {err:.3g} > {bound:.3g} (2x one GPU's + {atol:.3g})")
-    failures = _agree(failures)
-    assert not failures, f"{backend} {layout} causal={causal} {shape}: " + "; ".join(failures)
+    return _agree(failures)
 
+
+def _references(shape, causal, backend):
+    """Fresh bf16 inputs (the same on every rank), fp64 attention and one GPU's, as dicts of out, lse, dq, dk, dv."""
+    b, seq, h, hk, d = shape
+    gen = torch.Generator(device="cuda").manual_seed(_shared_seed())
+    q, k, v, dout = (
+        torch.randn(b, seq, n, d, device="cuda", generator=gen).to(torch.bfloat16) for n in (h, hk, hk, h)
+    )
+    _skip_unless(backend, q, k, v, causal)
+    leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
+    out64, lse64 = attention_fp64(*leaves64, causal=causal)
+    ref = dict(out=out64, lse=lse64, **dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out64, leaves64, dout.double()))))
+    _poison_allocator()
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    out1, lse1 = ringfa4.attention(*full, causal=causal, backend=backend)
+    single = dict(out=out1, lse=lse1, **dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out1, full, dout))))
+    _poison_allocator()
+    return (q, k, v, dout), ref, single
+
+
+# (batch, total seq, heads, kv_heads, head_dim): kv heads split over the head group, and one kv
+# head for two members (replicated, gradients summed back).
+HEAD_SHAPES = [(1, 4096, 8, 2, 128), (1, 2048, 8, 1, 128)]
+
+
+@pytest.mark.parametrize("shape", HEAD_SHAPES, ids=[f"h{s[2]}-hk{s[3]}" for s in HEAD_SHAPES])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_two_gpu_head_group_matches_one_gpu_attention(world, shape, layout, causal):
+    """(U, R) = (2, 1): the all-to-all over both GPUs, each then attending over the whole sequence
+    on half of the heads."""
+    alone = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    inputs, ref, single = _references(shape, causal, "cute")
+    failures = _ring_failures(*inputs, ref, single, dict(causal=causal, layout=layout, backend="cute"),
+                              group=alone[dist.get_rank()], head_group=dist.group.WORLD)
+    assert not failures, f"U=2 {layout} causal={causal} {shape}: " + "; ".join(failures)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
