@@ -53,6 +53,7 @@ from ringfa4.kernels.barriers import BwdBarrier
 from ringfa4.kernels.dq_layout import (NUM_MMA_WG, REGS_PER_STORE, WG_THREADS, parts_split_rows,
                                        query_tile)
 from ringfa4.kernels.layout import acc_rows_view, carve, rows_major, seq_major, transpose
+from ringfa4.kernels.mask import AttentionMask
 from ringfa4.kernels.ptx import bulk_reduce_add_f32, convert_to
 from ringfa4.kernels.softmax import LOG2_E
 from ringfa4.kernels.tile_scheduler import BwdStepScheduler
@@ -90,6 +91,7 @@ class AttentionBackwardSm90:
         self.dq_cols = head_dim if self.dq_split_rows else head_dim // NUM_MMA_WG
         self.dq_part = self.tile_m * head_dim // NUM_MMA_WG
         self.mma_regs = 240
+        self.attention_mask = AttentionMask(self.tile_m, self.tile_n, causal, key_first=True)
         self.load_regs = 24
 
     # ---------------------------------------------------------------- host side (traced once)
@@ -395,7 +397,6 @@ class AttentionBackwardSm90:
         Per query tile: S^T, dP^T; P^T (mask, exp2); dS^T; dS to shared memory; dV += P^T dO;
         dQ = dS K; dK += dS^T Q; the dQ part handed to the dQ warp."""
         ops = self._mma_operands(sQ, sK, sV, sdO, sdS, sdQ, mma_sdp, mma_dkv, mma_dq, tidx)
-        n_base = n_block * self.tile_n
 
         cute.arch.mbarrier_wait(mbar_kv, 0)
         state = cutlass.pipeline.make_pipeline_state(
@@ -403,7 +404,6 @@ class AttentionBackwardSm90:
         for step in cutlass.range(num_steps, unroll=1):
             _, m_block = steps.coords(step)
             stage = state.index
-            m_base = m_block * self.tile_m
 
             pipe_q.consumer_wait(state)
             acc_s = cute.make_rmem_tensor(ops.acc_shape_s, Float32)
@@ -412,7 +412,7 @@ class AttentionBackwardSm90:
             acc_dp = cute.make_rmem_tensor(ops.acc_shape_s, Float32)
             wgmma.gemm(mma_sdp, acc_dp, ops.tdPrV, ops.tdPrdO[None, None, None, stage], zero_init=True, wait=1)
 
-            p = self._probabilities(ops, acc_s, sLSE, stage, scale_log2, seqlen_k, n_base, m_base)
+            p = self._probabilities(ops, acc_s, sLSE, stage, scale_log2, seqlen_k, m_block, n_block)
             warpgroup.wait_group(0)
             ds = self._score_grads(ops, acc_s, acc_dp, sDelta, stage, softmax_scale)
             self._store_ds(ops, ds, stage)
@@ -476,30 +476,27 @@ class AttentionBackwardSm90:
             sdQ[None, ops.wg].iterator + (tidx % WG_THREADS) * REGS_PER_STORE,
             cute.make_layout(ops.dq_store, stride=(1, REGS_PER_STORE * WG_THREADS)))
 
-        # (key, query) coordinates of each S^T element this thread holds, as (query, key) rows.
-        ops.cS = acc_rows_view(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))),
-                               transpose=True)
+        # (key, query) coordinates of the S^T elements this thread (runtime) and thread 0
+        # (compile-time) hold, in the (query, key) rows x cols view.
+        cS = cute.make_identity_tensor((self.tile_n, self.tile_m))
+        ops.cS = acc_rows_view(thr_sdp.partition_C(cS), transpose=True)
+        ops.cS0 = acc_rows_view(mma_sdp.get_slice(0).partition_C(cS), transpose=True)
         return ops
 
     @cute.jit
-    def _probabilities(self, ops, acc_s, sLSE, stage, scale_log2, seqlen_k, n_base, m_base):
+    def _probabilities(self, ops, acc_s, sLSE, stage, scale_log2, seqlen_k, m_block, n_block):
         """P^T = exp2(S^T * scale * log2(e) - lse2) in place in acc_s (masked entries give
-        exp2(-inf) = 0), and P^T in 16 bits."""
+        exp2(-inf) = 0), and P^T in 16 bits. Only a key block past seqlen_k or crossing the
+        causal diagonal is masked."""
         s_mn = acc_rows_view(acc_s, transpose=True)  # (query, key)
-        cS = ops.cS
+        n_base = n_block * self.tile_n
         needs_mask = n_base + self.tile_n > seqlen_k
         if const_expr(self.causal):
-            needs_mask = needs_mask or (n_base + self.tile_n - 1 > m_base)
+            needs_mask = needs_mask or (n_base + self.tile_n - 1 > m_block * self.tile_m)
         if needs_mask:
-            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                    key, query = cS[r, c]
-                    dead = n_base + key >= seqlen_k
-                    if const_expr(self.causal):
-                        dead = dead or (n_base + key > m_base + query)
-                    s_mn[r, c] = -Float32.inf if dead else s_mn[r, c]
+            self.attention_mask.apply(s_mn, ops.cS, ops.cS0, m_block, n_block, seqlen_k)
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            lse2 = sLSE[cS[r, 0][1], stage]
+            lse2 = sLSE[ops.cS[r, 0][1], stage]
             for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                 s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2, fastmath=True)
         p = cute.make_rmem_tensor(ops.acc_shape_s, self.dtype)

@@ -376,9 +376,7 @@ class FwdSm90:
             ops.pipe_k.consumer_wait(state)
             acc_S = self.qk(ops, state.index)
             warpgroup.wait_group(0)
-            ops.pipe_k.consumer_release(state)
-            self.mask(ops, acc_S, m_block, n_first)
-            softmax.step(acc_S, is_first=True)
+            self.softmax_step(ops, softmax, acc_S, state, m_block, n_first, masked=True, is_first=True)
             convert_to(wgmma.acc_as_operand_a(acc_S), ops.tOrP)
         else:
             self.sched_sync()
@@ -414,10 +412,8 @@ class FwdSm90:
         self.pv(ops, v_state.index, -1)
         self.sched_pass()
         warpgroup.wait_group(1)
-        ops.pipe_k.consumer_release(state)
-        if const_expr(masked):
-            self.mask(ops, acc_S, m_block, n_block)
-        row_scale = softmax.step(acc_S, is_first=False)
+        row_scale = self.softmax_step(ops, softmax, acc_S, state, m_block, n_block, masked=masked,
+                                      is_first=False)
         warpgroup.wait_group(0)
         ops.pipe_v.consumer_release(v_state)
         convert_to(wgmma.acc_as_operand_a(acc_S), ops.tOrP)
@@ -433,10 +429,8 @@ class FwdSm90:
         acc_S = self.qk(ops, state.index)
         self.sched_pass()
         warpgroup.wait_group(0)
-        ops.pipe_k.consumer_release(state)
-        if const_expr(masked):
-            self.mask(ops, acc_S, m_block, n_block)
-        row_scale = softmax.step(acc_S, is_first=is_first)
+        row_scale = self.softmax_step(ops, softmax, acc_S, state, m_block, n_block, masked=masked,
+                                      is_first=is_first)
         convert_to(wgmma.acc_as_operand_a(acc_S), ops.tOrP)
         if const_expr(not is_first):
             self.rescale_o(ops, softmax, row_scale)
@@ -446,6 +440,16 @@ class FwdSm90:
         ops.pipe_v.consumer_release(state)
         state.advance()
         return state
+
+    @cute.jit
+    def softmax_step(self, ops, softmax, acc_S, k_state, m_block, n_block,
+                     masked: cutlass.Constexpr[bool], is_first: cutlass.Constexpr[bool]):
+        """S of key block n_block is in registers: release its K stage, mask it, and turn it into
+        P in place; returns the factor the running O must be rescaled by."""
+        ops.pipe_k.consumer_release(k_state)
+        if const_expr(masked):
+            self.mask(ops, acc_S, m_block, n_block)
+        return softmax.step(acc_S, is_first=is_first)
 
     @cute.jit
     def qk(self, ops, stage):

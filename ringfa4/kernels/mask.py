@@ -35,5 +35,4 @@ class AttentionMask:
                 query = coords[r, 0][self.q_mode] + m_block * self.tile_m
                 limit = cutlass.min(limit, query + 1 - key0)
             for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                if coords0[0, c][self.k_mode] >= limit:
-                    s[r, c] = -Float32.inf
+                s[r, c] = -Float32.inf if coords0[0, c][self.k_mode] >= limit else s[r, c]

@@ -1,5 +1,6 @@
-"""The ring's merge kernel (ringfa4.kernels.merge, reached through ringfa4.ring.merge.merge_ on
-Hopper) gives the fp64 merge of the same inputs, in place, on views like the ring's.
+"""The ring's merge kernel (ringfa4.kernels.merge, launched by ringfa4.backends.cute.merge and
+reached through ringfa4.ring.merge.merge_ on Hopper) gives the fp64 merge of the same inputs, in
+place, on views like the ring's.
 
     python -m pytest -m gpu -q tests/gpu/test_merge_kernel.py
 """
@@ -8,6 +9,7 @@ import math
 import pytest
 import torch
 
+from ringfa4.backends.cute import merge as cute_merge
 from ringfa4.ring import merge
 
 pytestmark = pytest.mark.gpu
@@ -40,7 +42,7 @@ def _inputs(b, s, h, d, out_dtype, part_dtype, gen):
 def test_merge_kernel_matches_fp64_merge_on_half_views(b, s, h, d, out_dtype, part_dtype):
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     out, lse, part, lse_part = _inputs(b, s, h, d, out_dtype, part_dtype, gen)
-    assert merge._kernel_runs(out[:, s:], lse[:, :, s:], part)
+    assert cute_merge.merge_runs(out[:, s:], lse[:, :, s:], part)
     ref_out, ref_lse = merge._merged(out[:, s:].double(), lse[:, :, s:].double(), part.double(), lse_part.double())
     first = out[:, :s].clone(), lse[:, :, :s].clone()
 
