@@ -5,9 +5,9 @@
 
 The trainer's own job (ringfa4.train: build, make_batch, train_step) for the llama3-1b shape at
 65536 tokens per sequence, one sequence per step, cp = all ranks, FSDP2 over the same ranks, bf16
-params and compute, fp32 gradient reduction, full activation checkpointing, AdamW at a constant
-learning rate, synthetic tokens. The model, batches and initial weights are identical for both;
-only attention differs:
+params and compute, fp32 gradient reduction, activation checkpointing and torch.compile as
+flagged (default: full, eager), AdamW at a constant learning rate, synthetic tokens. The model,
+batches and initial weights are identical for both; only attention differs:
   ringfa4   ringfa4.ring_attention (backend auto: own CuTe kernels, else FA4, else torch), zigzag,
             K/V of the kv heads only travel the ring;
   torch_cp  torch.distributed.tensor.experimental.context_parallel over cuDNN SDPA
@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench import measure  # noqa: E402
 from ringfa4 import flops  # noqa: E402
+from ringfa4.nn.model import ACTIVATION_CHECKPOINTING  # noqa: E402
 from ringfa4.nn.parallel import CP  # noqa: E402
 from ringfa4.train import config, launch, metrics, trainer  # noqa: E402
 
@@ -48,12 +49,13 @@ class SDPAttention(nn.Module):
 def job_config(opts, world):
     """The trainer's JobConfig for this bench: the named model preset, synthetic tokens, one
     sequence per step over a ring of all ranks, a constant learning rate."""
-    recompute = "none" if opts.no_recompute else "full"
     return config.compose(
-        f"model={opts.model}", "data=synthetic", f"parallel.cp={world}", "parallel.dp_shard=1",
+        f"model={opts.model}", *([f"model.n_layers={opts.n_layers}"] if opts.n_layers else []),
+        "data=synthetic", f"parallel.cp={world}", "parallel.dp_shard=1",
         f"parallel.backend={opts.backend}", f"train.seq_len={opts.seq_len}", "train.global_batch=1",
         f"train.steps={opts.steps}", "train.lr=1e-4", "train.min_lr=1e-4", "train.warmup_steps=0",
-        f"train.grad_clip={GRAD_CLIP}", f"train.activation_checkpointing={recompute}",
+        f"train.grad_clip={GRAD_CLIP}", f"train.activation_checkpointing={opts.activation_checkpointing}",
+        f"train.compile={opts.compile}",
         f"train.mixed_precision={'fp32' if opts.tiny else 'bf16'}", f"train.device={'cpu' if opts.tiny else 'cuda'}")
 
 
@@ -113,7 +115,8 @@ def worker(opts, rank, world, local_rank):
             rows.append(measure_impl("torch_cp", job, opts, device))
         except Exception as e:  # kept in the results and printed; on GPU the run then exits non-zero
             failed = f"torch_cp could not run on {device.type}: {type(e).__name__}: {str(e).splitlines()[0]}"
-        return {"rows": rows, "torch_cp_failed": failed, "world": world, "meta": measure.metadata(device, opts.commit)}
+        return {"rows": rows, "torch_cp_failed": failed, "world": world, "n_layers": job.model.n_layers,
+                "meta": measure.metadata(device, opts.commit)}
 
 
 def parse_args():
@@ -125,7 +128,12 @@ def parse_args():
     p.add_argument("--steps", type=int, default=None, help="steps per implementation (default 24, 4 with --tiny)")
     p.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 4, 1 with --tiny)")
     p.add_argument("--backend", default=None, help="ringfa4 backend (default auto, torch with --tiny)")
-    p.add_argument("--no-recompute", action="store_true", help="keep activations (no activation checkpointing)")
+    p.add_argument("--activation-checkpointing", choices=ACTIVATION_CHECKPOINTING, default="full",
+                   help="what each block recomputes in backward (train.activation_checkpointing; default full)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block (train.compile)")
+    p.add_argument("--n-layers", type=int, default=None,
+                   help="layers of the model preset, overridden (e.g. llama3-8b's shape on one GPU, whose "
+                        "32 layers' fp32 weights and AdamW state do not fit)")
     opts = p.parse_args()
     tiny = opts.tiny
     opts.model = opts.model or ("tiny" if tiny else "llama3-1b")
@@ -147,7 +155,8 @@ def report(opts, result):
     rows = {r["impl"]: r for r in result["rows"]}
     summary = {**result["meta"], "gpus": result["world"], "model": opts.model, "seq_len": opts.seq_len,
                "cp": result["world"], "dp_shard": 1, "global_batch": 1, "dtype": "fp32" if opts.tiny else "bf16",
-               "recompute": not opts.no_recompute, "steps": opts.steps, "warmup": opts.warmup,
+               "activation_checkpointing": opts.activation_checkpointing, "compile": opts.compile,
+               "n_layers": result["n_layers"], "steps": opts.steps, "warmup": opts.warmup,
                "rows": result["rows"], "torch_cp_failed": result["torch_cp_failed"]}
     if "torch_cp" in rows:
         # Same weights, same first batch: the two rings must agree on the first loss (bf16 noise).
@@ -157,7 +166,8 @@ def report(opts, result):
     out.write_text(json.dumps(summary, indent=2) + "\n")
 
     print(f"\n{opts.model}, {opts.seq_len} tokens/step, cp={result['world']} on {summary['device']}, "
-          f"{summary['dtype']}, recompute={summary['recompute']}, {opts.steps - opts.warmup} timed steps, "
+          f"{summary['dtype']}, {summary['n_layers']} layers, activation_checkpointing={opts.activation_checkpointing}, "
+          f"compile={opts.compile}, {opts.steps - opts.warmup} timed steps, "
           f"commit {summary['commit']}")
     print("| impl | backend | step s | tokens/s | TFLOP/s/GPU | MFU | peak mem GiB | loss first -> last |")
     print("|---|---|---|---|---|---|---|---|")

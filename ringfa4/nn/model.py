@@ -121,8 +121,19 @@ class FeedForward(nn.Module):
 ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
 
 
+# What selective checkpointing keeps: our attention operators, and PyTorch's SDPA kernels, which an
+# attention core may call instead (bench/train.py's comparator does), so that the same mode keeps
+# the same activations whichever attention runs.
+SAVED_BY_SELECTIVE_CHECKPOINTING = ops.SAVED_BY_SELECTIVE_CHECKPOINTING + (
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+)
+
+
 def _save_attention_only(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in ops.SAVED_BY_SELECTIVE_CHECKPOINTING else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_SELECTIVE_CHECKPOINTING else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class Block(nn.Module):

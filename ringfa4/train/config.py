@@ -141,6 +141,8 @@ class TrainConfig:
     activation_checkpointing: str = "none"
     """what each block recomputes in backward: none, selective (all but the attention) or full
     (see ringfa4.nn.model.Block)"""
+    compile: bool = False
+    """put each block through torch.compile (the attention stays one custom operator inside)"""
     device: str = "auto"
     """auto, cuda or cpu"""
     seed: int = 0

@@ -10,11 +10,9 @@
 inside the rank's process group).
 """
 import contextlib
-import json
 import math
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -75,7 +73,7 @@ def build(job, device):
     with torch.device("meta"):
         model = Transformer(settings.model)
     parallelize(model, mesh, layout=settings.layout, backend=backend, param_dtype=settings.param_dtype,
-                activation_checkpointing=job.train.activation_checkpointing)
+                activation_checkpointing=job.train.activation_checkpointing, compile=job.train.compile)
     model.to_empty(device=device)
     model.init_weights(job.train.seed)
     return Run(job, settings, device, backend, mesh, model, build_optimizer(model, job.train), sampler)
@@ -121,7 +119,7 @@ def train_step(model, optimizer, batch, global_tokens, grad_clip, context=contex
 
 
 class Log:
-    """Losses of the steps run, a progress line and a metrics.jsonl record every log interval.
+    """Losses of the steps run, and a record every log interval to the sinks of train.metrics.
     Reading a loss syncs with the device, so losses are read only when checked: at each log line
     and before each checkpoint; a NaN or infinite one raises NonFiniteLoss, on every rank alike
     (the loss is all-reduced)."""
@@ -132,9 +130,9 @@ class Log:
         self.global_tokens = train.global_batch * train.seq_len
         self.flops_per_step = run.settings.model.flops_per_token(train.seq_len) * self.global_tokens
         self.peak = metrics.peak_flops(run.device)
-        rank0 = dist.get_rank() == 0
-        self.progress = metrics.Progress(train.steps) if rank0 else None
-        self.path = Path(run.job.run_dir) / "metrics.jsonl" if run.job.run_dir and rank0 else None
+        # Rank 0 writes; in-process runs without a run directory (tests, benches) write to the console only.
+        sinks = [s for s in train.metrics if run.job.run_dir or s == "console"] if dist.get_rank() == 0 else []
+        self.writer = metrics.Writer(sinks, train.steps, run.job.run_dir, config=asdict(run.job))
         self.last_time, self.last_step = time.perf_counter(), start
 
     def step(self, step, loss):
@@ -168,11 +166,10 @@ class Log:
                   "mfu": self.flops_per_step / world / elapsed / self.peak if self.peak else None,
                   "peak_mem_gib": metrics.peak_memory_gib(self.run.device)}
         self.last_time, self.last_step = now, step
-        if self.progress:
-            self.progress.update(step, record)
-        if self.path:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+        self.writer.write(record)
+
+    def close(self):
+        self.writer.close()
 
 
 def resume(run):
@@ -227,6 +224,7 @@ def fit(run):
             began = time.perf_counter()
             save(run, step, position)
             log.exclude(time.perf_counter() - began)
+    log.close()
     return log.losses
 
 
