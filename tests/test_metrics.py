@@ -1,4 +1,5 @@
 """Run metrics reach the sinks train.metrics names: console, metrics.jsonl, TensorBoard, wandb."""
+import importlib.util
 import json
 
 import pytest
@@ -69,3 +70,31 @@ def test_unknown_sinks_missing_packages_and_missing_run_dir_are_refused(tmp_path
                                                'pip install "ringfa4[wandb]"')
     with pytest.raises(ValueError, match="write into the run directory, but none was given"):
         metrics.Writer(["console", "jsonl"], total_steps=2, run_dir=None)
+
+
+def test_training_run_writes_jsonl_and_tensorboard_events(tmp_path):
+    """`ringfa4-train train.metrics=[console,jsonl,tensorboard]` on two gloo workers (CPU)."""
+    import subprocess
+    import sys
+
+    from train_configs import SMALL
+
+    sinks = "[console,jsonl,tensorboard]" if importlib.util.find_spec("tensorboard") else "[console,jsonl]"
+    proc = subprocess.run([sys.executable, "-m", "ringfa4.train", *SMALL, "train.steps=3", f"train.metrics={sinks}",
+                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "step 3/3" in proc.stdout
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    if "tensorboard" in sinks:
+        scalars = tensorboard_scalars(tmp_path / "tensorboard")
+        assert scalars["train/loss"] == [(r["step"], pytest.approx(r["loss"])) for r in records]
+        assert [step for step, _ in scalars["train/grad_norm"]] == [1, 2, 3]
+
+
+def test_a_sink_that_cannot_run_stops_the_run_before_it_starts(tmp_path):
+    from train_configs import composed
+    from ringfa4.train.config import ConfigError
+
+    with pytest.raises(ConfigError, match="train.metrics 'csv' is not one of"):
+        composed("train.metrics=[console,csv]")

@@ -18,7 +18,7 @@ from omegaconf import MISSING, OmegaConf
 from ringfa4 import backends
 from ringfa4.nn import ModelArgs
 from ringfa4.nn.model import ACTIVATION_CHECKPOINTING
-from ringfa4.train import checkpoint
+from ringfa4.train import checkpoint, metrics
 
 LAYOUT_MULTIPLE = {"zigzag": 2, "contiguous": 1}
 MIXED_PRECISION = {"bf16": torch.bfloat16, "fp32": None}
@@ -141,14 +141,16 @@ class TrainConfig:
     activation_checkpointing: str = "none"
     """what each block recomputes in backward: none, selective (all but the attention) or full
     (see ringfa4.nn.model.Block)"""
-    compile: bool = False
-    """put each block through torch.compile (the attention stays one custom operator inside)"""
     device: str = "auto"
     """auto, cuda or cpu"""
     seed: int = 0
     """seeds the initial weights, the data order and every rank's generator"""
     log_interval: int = 10
     """steps between progress lines (and metrics.jsonl records)"""
+    metrics: List[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """where each log interval's record goes (rank 0 only): console, jsonl (run_dir/metrics.jsonl),
+    tensorboard (run_dir/tensorboard; pip install "ringfa4[tensorboard]"), wandb (run_dir/wandb;
+    pip install "ringfa4[wandb]"; WANDB_MODE=offline needs no network or account)"""
     checkpoint_dir: Optional[str] = None
     """set to write DCP checkpoints (on storage every rank sees)"""
     checkpoint_interval: int = 100
@@ -179,6 +181,8 @@ class TrainConfig:
             raise ConfigError(f"train.checkpoint_keep must be >= 0 (0 keeps all), got {self.checkpoint_keep}")
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("train.resume=true needs train.checkpoint_dir")
+        if metrics.sink_problem(self.metrics):
+            raise ConfigError(f"train.metrics {metrics.sink_problem(self.metrics)}")
 
     @property
     def warmup(self):
