@@ -73,7 +73,7 @@ def build(job, device):
     with torch.device("meta"):
         model = Transformer(settings.model)
     parallelize(model, mesh, layout=settings.layout, backend=backend, param_dtype=settings.param_dtype,
-                activation_checkpointing=job.train.activation_checkpointing)
+                activation_checkpointing=job.train.activation_checkpointing, compile=job.train.compile)
     model.to_empty(device=device)
     model.init_weights(job.train.seed)
     return Run(job, settings, device, backend, mesh, model, build_optimizer(model, job.train), sampler)
