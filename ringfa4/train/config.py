@@ -24,8 +24,8 @@ LAYOUT_MULTIPLE = {"zigzag": 2, "contiguous": 1}
 MIXED_PRECISION = {"bf16": torch.bfloat16, "fp32": None}
 DATA_KINDS = ("synthetic", "text", "tokens")
 DEVICES = ("auto", "cuda", "cpu")
-# Without train.warmup_steps, warmup takes this fraction of train.steps (15 of the default 150).
-DEFAULT_WARMUP_FRACTION = 0.1
+# Without train.warmup_steps, warmup takes train.steps // this (15 of the default 150).
+DEFAULT_WARMUP_DIVISOR = 10
 
 
 class ConfigError(ValueError):
@@ -189,7 +189,7 @@ class TrainConfig:
     @property
     def warmup(self):
         """train.warmup_steps, or a tenth of train.steps when it is not set."""
-        return int(self.steps * DEFAULT_WARMUP_FRACTION) if self.warmup_steps is None else self.warmup_steps
+        return self.steps // DEFAULT_WARMUP_DIVISOR if self.warmup_steps is None else self.warmup_steps
 
 
 @dataclass
@@ -200,7 +200,9 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     """token source (config group `data`: text, tokens, synthetic)"""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """how the ranks split the work (mesh, layout, attention backend)"""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """the optimisation loop, its precision and its checkpoints"""
     run_dir: Optional[str] = None
     """where metrics.jsonl is written; the entry point sets Hydra's output folder"""
 
