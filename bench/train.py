@@ -166,9 +166,8 @@ def report(opts, result):
     out.write_text(json.dumps(summary, indent=2) + "\n")
 
     print(f"\n{opts.model}, {opts.seq_len} tokens/step, cp={result['world']} on {summary['device']}, "
-          f"{summary['dtype']}, {summary['n_layers']} layers, activation_checkpointing={opts.activation_checkpointing}, "
-          f"compile={opts.compile}, {opts.steps - opts.warmup} timed steps, "
-          f"commit {summary['commit']}")
+          f"{summary['dtype']}, {summary['n_layers']} layers, activation_checkpointing={opts.activation_checkpointing}"
+          f", compile={opts.compile}, {opts.steps - opts.warmup} timed steps, commit {summary['commit']}")
     print("| impl | backend | step s | tokens/s | TFLOP/s/GPU | MFU | peak mem GiB | loss first -> last |")
     print("|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:

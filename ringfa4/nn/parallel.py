@@ -52,7 +52,9 @@ def parallelize(model, mesh, *, layout="zigzag", backend="auto", param_dtype=Non
     for block in model.layers:
         block.activation_checkpointing = activation_checkpointing
         if compile:
-            block.compile(fullgraph=True)
+            # The block's forward (its checkpointing included), not its __call__: the FSDP hooks
+            # that fully_shard adds around forward stay outside the graph, in eager.
+            block.forward = torch.compile(block.forward, fullgraph=True)
     # DeviceMesh._flatten is how torchtitan names the combined dimension; it reuses the mesh's
     # ranks in row-major order instead of building an unrelated world-sized mesh.
     shard_mesh = mesh[DP_SHARD, CP]._flatten(DP_SHARD_CP)
