@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ringfa4.nn import ModelArgs, Transformer, build_mesh, parallelize, shard_sequence
-from ringfa4.nn.parallel import CP, DP_SHARD
+from ringfa4.nn.parallel import CP, DP_SHARD, head_group
 from ringfa4.train import launch
 from ringfa4.train.trainer import loss_share
 
@@ -31,11 +31,11 @@ def single_process_step(args):
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def parallel_step(args, dp_shard, cp, layout, recompute, rank, world, local_rank):
+def parallel_step(args, dp_shard, cp, layout, recompute, cp_heads, rank, world, local_rank):
     import torch.distributed as dist
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        mesh = build_mesh("cpu", dp_shard, cp)
+        mesh = build_mesh("cpu", dp_shard, cp, cp_heads)
         with torch.device("meta"):
             model = Transformer(args, loss_chunk=LOSS_CHUNK).to(torch.float64)
         parallelize(model, mesh, layout=layout, backend="torch", activation_checkpointing=recompute)
@@ -43,7 +43,8 @@ def parallel_step(args, dp_shard, cp, layout, recompute, rank, world, local_rank
         model.init_weights(SEED)
         tokens, labels, positions = make_batch(args.vocab_size)
         rows = slice(mesh.get_local_rank(DP_SHARD) * BATCH // dp_shard, (mesh.get_local_rank(DP_SHARD) + 1) * BATCH // dp_shard)
-        tokens, labels, positions = shard_sequence((tokens[rows], labels[rows], positions), mesh[CP].get_group(), layout)
+        tokens, labels, positions = shard_sequence((tokens[rows], labels[rows], positions), mesh[CP].get_group(), layout,
+                                                   head_group=head_group(mesh))
         share = loss_share(model, tokens, labels, positions, BATCH * SEQ_LEN)
         share.backward()
         loss = share.detach().clone()
@@ -54,9 +55,9 @@ def parallel_step(args, dp_shard, cp, layout, recompute, rank, world, local_rank
         dist.destroy_process_group()
 
 
-def assert_same_step(args, dp_shard, cp, layout, recompute):
+def assert_same_step(args, dp_shard, cp, layout, recompute, cp_heads=1):
     ref_loss, ref_grads = single_process_step(args)
-    loss, grads = launch.spawn(parallel_step, dp_shard * cp, args, dp_shard, cp, layout, recompute)
+    loss, grads = launch.spawn(parallel_step, dp_shard * cp, args, dp_shard, cp, layout, recompute, cp_heads)
     assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (loss, ref_loss)
     assert grads.keys() == ref_grads.keys()
     for name, ref in ref_grads.items():
@@ -75,6 +76,14 @@ def test_dp2_x_cp2_step_matches_one_process_contiguous_untied_mqa_uneven_shards(
     args = ModelArgs(vocab_size=66, dim=32, n_layers=2, n_heads=4, n_kv_heads=1, ffn_dim=50, rope_theta=10000.0,
                      tie_embeddings=False)
     assert_same_step(args, dp_shard=2, cp=2, layout="contiguous", recompute="none")
+
+
+def test_heads_x_ring_2x2_step_matches_one_process_zigzag_gqa_kv_heads_fewer_than_the_head_group():
+    # cp = 4 ranks: a ring of 2 over head groups of 2; one kv head (MQA) for 4 query heads, so both
+    # members of a head group get a copy of it and its gradients are summed back.
+    args = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=1, ffn_dim=48, rope_theta=10000.0,
+                     tie_embeddings=True)
+    assert_same_step(args, dp_shard=1, cp=4, layout="zigzag", recompute="selective", cp_heads=2)
 
 
 @pytest.mark.parametrize("field,value,message", [

@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ringfa4.api import _check_qkv, _choose_backend
+from ringfa4.ring import agree, heads
 from ringfa4.ring import layout as ring_layout
 from ringfa4.ring.attention import ring_backward, ring_forward
 from ringfa4.ring.comm import Ring
@@ -86,6 +87,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale:
         raise ValueError(f"ring attention needs q and k/v of the same local length, got {q.shape[1]} and {k.shape[1]}")
     ring_layout.check_divisible(q.shape[1] * world, world, layout,
                                 name=f"global sequence length (q.shape[1] = {q.shape[1]} x {world} ranks)")
+    agree.check(q, k, causal, layout, softmax_scale, False, group, None)
     out, lse, (k_last, v_last) = ring_forward(module, q, k, v, causal, softmax_scale, Ring(group, q.device), layout)
     return _contiguous((out, lse, k_last, v_last))
 
@@ -125,4 +127,85 @@ def _ring_grad(ctx, dout, _dlse, _dk_last, _dv_last):
 
 ring_attention.register_autograd(_ring_grad, setup_context=_ring_setup)
 
-SAVED_BY_SELECTIVE_CHECKPOINTING = (torch.ops.ringfa4.attention.default, torch.ops.ringfa4.ring_attention.default)
+
+@torch.library.custom_op("ringfa4::heads_ring_attention", mutates_args=())
+def heads_ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float, group_name: str,
+                         head_group_name: str, layout: str, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor,
+                                                                                  Tensor, Tensor, Tensor, Tensor]:
+    """Heads x ring (ringfa4.ring.heads): all-to-all over ``head_group_name`` to this rank's heads,
+    the ring over ``group_name`` (one call when it has one rank), all-to-all back. Returns out and
+    what the backward needs, in the heads layout: q, k, v, out, lse, and the KV block the ring
+    ended with (empty for a one-rank ring)."""
+    group, head = _resolve_process_group(group_name), _resolve_process_group(head_group_name)
+    world, head_world = ring_layout.group_rank_world(group)[1], ring_layout.group_rank_world(head)[1]
+    module = _backend_for(backend, q, k, v, causal)
+    heads.check_split(q.shape[2], k.shape[2], head_world)
+    ring_layout.check_divisible(q.shape[1] * head_world * world, world, layout, head_world=head_world,
+                                name=f"global sequence length (q.shape[1] = {q.shape[1]} x {head_world * world} ranks)")
+    agree.check(q, k, causal, layout, softmax_scale, False, group, head)
+    exchange, copies = heads.exchange_over(head), heads.replicas(k.shape[2], head_world)
+    qh = heads.to_heads(q, head_world, 1, exchange)
+    kh, vh = (heads.to_heads(t, head_world, copies, exchange) for t in (k, v))
+    if world == 1:
+        (out_h, lse_h), kv_last = module.forward(qh, kh, vh, causal, softmax_scale), (kh.new_empty(0),) * 2
+    else:
+        out_h, lse_h, kv_last = ring_forward(module, qh, kh, vh, causal, softmax_scale, Ring(group, q.device), layout)
+    return (heads.to_seq(out_h, head_world, 1, exchange), qh, kh, vh, out_h, lse_h, *kv_last)
+
+
+@heads_ring_attention.register_fake
+def _(q, k, v, causal, softmax_scale, group_name, head_group_name, layout, backend):
+    world = ring_layout.group_rank_world(_resolve_process_group(group_name))[1]
+    head_world = ring_layout.group_rank_world(_resolve_process_group(head_group_name))[1]
+    b, s, h, d = q.shape
+    qh = q.new_empty((b, s * head_world, h // head_world, d))
+    kh = k.new_empty((b, s * head_world, max(1, k.shape[2] // head_world), d))
+    last = (torch.empty_like(kh), torch.empty_like(kh)) if world > 1 else (k.new_empty(0), k.new_empty(0))
+    return (torch.empty_like(q), qh, kh, torch.empty_like(kh), torch.empty_like(qh),
+            q.new_empty((b, h // head_world, s * head_world), dtype=_lse_dtype(q)), *last)
+
+
+@torch.library.custom_op("ringfa4::heads_ring_attention_backward", mutates_args=())
+def heads_ring_attention_backward(dout: Tensor, qh: Tensor, kh: Tensor, vh: Tensor, out_h: Tensor, lse_h: Tensor,
+                                  k_last: Tensor, v_last: Tensor, causal: bool, softmax_scale: float, group_name: str,
+                                  head_group_name: str, layout: str, backend: str,
+                                  kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    group, head = _resolve_process_group(group_name), _resolve_process_group(head_group_name)
+    world, head_world = ring_layout.group_rank_world(group)[1], ring_layout.group_rank_world(head)[1]
+    module = _backend_for(backend, qh, kh, vh, causal)
+    exchange, copies = heads.exchange_over(head), heads.replicas(kv_heads, head_world)
+    dout_h = heads.to_heads(dout.contiguous(), head_world, 1, exchange)
+    if world == 1:
+        grads = module.backward(dout_h, qh, kh, vh, out_h, lse_h, causal, softmax_scale)
+    else:
+        grads = ring_backward(module, dout_h, qh, kh, vh, out_h, lse_h, [k_last, v_last], causal, softmax_scale,
+                              Ring(group, qh.device, reverse=True), layout, False)
+    dq, dk, dv = grads
+    return (heads.to_seq(dq, head_world, 1, exchange), heads.to_seq(dk, head_world, copies, exchange),
+            heads.to_seq(dv, head_world, copies, exchange))
+
+
+@heads_ring_attention_backward.register_fake
+def _(dout, qh, kh, vh, out_h, lse_h, k_last, v_last, causal, softmax_scale, group_name, head_group_name, layout,
+      backend, kv_heads):
+    head_world = ring_layout.group_rank_world(_resolve_process_group(head_group_name))[1]
+    b, total, _, d = kh.shape
+    dk = kh.new_empty((b, total // head_world, kv_heads, d))
+    return dout.new_empty(dout.shape), dk, torch.empty_like(dk)
+
+
+def _heads_ring_setup(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, group_name, head_group_name, layout, backend = inputs
+    ctx.save_for_backward(*output[1:])
+    ctx.args = (causal, softmax_scale, group_name, head_group_name, layout, backend, k.shape[2])
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _heads_ring_grad(ctx, dout, *_saved):
+    return heads_ring_attention_backward(dout, *ctx.saved_tensors, *ctx.args) + (None,) * 6
+
+
+heads_ring_attention.register_autograd(_heads_ring_grad, setup_context=_heads_ring_setup)
+
+SAVED_BY_SELECTIVE_CHECKPOINTING = (torch.ops.ringfa4.attention.default, torch.ops.ringfa4.ring_attention.default,
+                                    torch.ops.ringfa4.heads_ring_attention.default)

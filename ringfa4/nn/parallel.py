@@ -14,15 +14,29 @@ import ringfa4
 from ringfa4.nn.model import ACTIVATION_CHECKPOINTING
 
 DP_SHARD, CP, DP_SHARD_CP = "dp_shard", "cp", "dp_shard_cp"
+CP_HEADS = "cp_heads"  # the head group of 2-D context parallelism (ringfa4.ring.heads)
 
 
-def build_mesh(device_type, dp_shard, cp):
+def build_mesh(device_type, dp_shard, cp, cp_heads=1):
     """The (dp_shard, cp) mesh over all ranks; neighbours in cp are consecutive ranks, so on a
-    node (or an NVL72 domain) the ring stays on its fastest links when cp divides its GPU count."""
+    node (or an NVL72 domain) the ring stays on its fastest links when cp divides its GPU count.
+
+    With ``cp_heads`` > 1, the cp ranks of a sequence form a (cp / cp_heads) x cp_heads grid: the
+    mesh is (dp_shard, cp, cp_heads) with "cp" the ring and "cp_heads" a head group of
+    consecutive ranks (the fastest links, where its all-to-alls run)."""
     world = dist.get_world_size()
     if dp_shard * cp != world:
         raise ValueError(f"dp_shard * cp = {dp_shard} * {cp} = {dp_shard * cp} must equal the world size {world}")
-    return init_device_mesh(device_type, (dp_shard, cp), mesh_dim_names=(DP_SHARD, CP))
+    if cp_heads < 1 or cp % cp_heads:
+        raise ValueError(f"cp_heads = {cp_heads} must be a positive divisor of cp = {cp} (cp = ring x head group)")
+    if cp_heads == 1:
+        return init_device_mesh(device_type, (dp_shard, cp), mesh_dim_names=(DP_SHARD, CP))
+    return init_device_mesh(device_type, (dp_shard, cp // cp_heads, cp_heads), mesh_dim_names=(DP_SHARD, CP, CP_HEADS))
+
+
+def head_group(mesh):
+    """The head group of ``mesh`` (2-D context parallelism), or None."""
+    return mesh[CP_HEADS].get_group() if CP_HEADS in mesh.mesh_dim_names else None
 
 
 def parallelize(model, mesh, *, layout="zigzag", backend="auto", param_dtype=None, activation_checkpointing="none",
@@ -46,9 +60,9 @@ def parallelize(model, mesh, *, layout="zigzag", backend="auto", param_dtype=Non
                          f"got {activation_checkpointing!r}")
     if not isinstance(compile, bool):
         raise ValueError(f"compile must be True or False, got {compile!r}")
-    cp_group = mesh[CP].get_group()
+    cp_group, heads = mesh[CP].get_group(), head_group(mesh)
     for core in model.attention_cores():
-        core.group, core.layout, core.backend = cp_group, layout, backend
+        core.group, core.head_group, core.layout, core.backend = cp_group, heads, layout, backend
     for block in model.layers:
         block.activation_checkpointing = activation_checkpointing
         if compile:
@@ -57,7 +71,7 @@ def parallelize(model, mesh, *, layout="zigzag", backend="auto", param_dtype=Non
             block.forward = torch.compile(block.forward, fullgraph=True)
     # DeviceMesh._flatten is how torchtitan names the combined dimension; it reuses the mesh's
     # ranks in row-major order instead of building an unrelated world-sized mesh.
-    shard_mesh = mesh[DP_SHARD, CP]._flatten(DP_SHARD_CP)
+    shard_mesh = mesh[mesh.mesh_dim_names]._flatten(DP_SHARD_CP)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=None if param_dtype is None else torch.float32)
     for block in model.layers:
         fully_shard(block, mesh=shard_mesh, mp_policy=policy)
@@ -72,8 +86,9 @@ def parallelize(model, mesh, *, layout="zigzag", backend="auto", param_dtype=Non
     return model
 
 
-def shard_sequence(tensors, group, layout):
-    """This rank's part of each (b, s, ...) tensor along s, in the ring ``layout`` over ``group``."""
-    if group is None or dist.get_world_size(group) == 1:
+def shard_sequence(tensors, group, layout, head_group=None):
+    """This rank's part of each (b, s, ...) tensor along s, in the ring ``layout`` over ``group``
+    (and ``head_group``, see ringfa4.shard)."""
+    if (group is None or dist.get_world_size(group) == 1) and head_group is None:
         return list(tensors)
-    return [ringfa4.shard(t, dim=1, group=group, layout=layout) for t in tensors]
+    return [ringfa4.shard(t, dim=1, group=group, layout=layout, head_group=head_group) for t in tensors]
