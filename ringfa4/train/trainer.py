@@ -209,22 +209,24 @@ def fit(run):
     start, position = resume(run)
     describe(run, start)
     log = Log(run, start)
-    for step in range(start + 1, train.steps + 1):
-        lr = lr_at(step, train)
-        for group in run.optimizer.param_groups:
-            group["lr"] = lr
-        loss, grad_norm = train_step(run.model, run.optimizer, make_batch(run, position), log.global_tokens,
-                                     train.grad_clip)
-        position += train.global_batch
-        log.step(step, loss)
-        if step % train.log_interval == 0 or step == train.steps:
-            log.write(step, lr, grad_norm)
-        if train.checkpoint_dir and (step % train.checkpoint_interval == 0 or step == train.steps):
-            log.check()  # a non-finite loss stops the run before it writes a checkpoint
-            began = time.perf_counter()
-            save(run, step, position)
-            log.exclude(time.perf_counter() - began)
-    log.close()
+    try:
+        for step in range(start + 1, train.steps + 1):
+            lr = lr_at(step, train)
+            for group in run.optimizer.param_groups:
+                group["lr"] = lr
+            loss, grad_norm = train_step(run.model, run.optimizer, make_batch(run, position), log.global_tokens,
+                                         train.grad_clip)
+            position += train.global_batch
+            log.step(step, loss)
+            if step % train.log_interval == 0 or step == train.steps:
+                log.write(step, lr, grad_norm)
+            if train.checkpoint_dir and (step % train.checkpoint_interval == 0 or step == train.steps):
+                log.check()  # a non-finite loss stops the run before it writes a checkpoint
+                began = time.perf_counter()
+                save(run, step, position)
+                log.exclude(time.perf_counter() - began)
+    finally:
+        log.close()  # the records written so far reach their sinks, also when the run stops early
     return log.losses
 
 
