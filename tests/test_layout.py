@@ -39,3 +39,19 @@ def test_shard_then_unshard_gives_back_the_full_sequence(world):
 def test_without_a_process_group_shard_and_unshard_are_identity():
     x = torch.randn(2, 10, 3)
     assert torch.equal(ringfa4.shard(x), x) and torch.equal(ringfa4.unshard(x), x)
+
+
+def test_impossible_heads_x_ring_splits_are_named():
+    from ringfa4.ring.heads import check_split
+    from ringfa4.ring.layout import check_divisible, required_multiple
+
+    check_split(32, 8, 8)
+    check_split(32, 8, 4)
+    check_split(32, 2, 8)  # kv heads fewer than U: each replicated to 4 members
+    with pytest.raises(ValueError, match=r"q heads \(12\) must be a multiple of the head_group size \(8\)"):
+        check_split(12, 4, 8)
+    with pytest.raises(ValueError, match=r"k/v heads \(6\) and the head_group size \(4\) must divide one another"):
+        check_split(12, 6, 4)
+    assert required_multiple(9, "zigzag", 8) == 72 and required_multiple(4, "contiguous", 2) == 8
+    with pytest.raises(ValueError, match=r"must be a multiple of 72 .* over 8 x 9 \(head_group x ring group\) ranks"):
+        check_divisible(1 << 17, 9, "zigzag", head_world=8)

@@ -18,6 +18,8 @@ from omegaconf import MISSING, OmegaConf
 from ringfa4 import backends
 from ringfa4.nn import ModelArgs
 from ringfa4.nn.model import ACTIVATION_CHECKPOINTING
+from ringfa4.ring.heads import check_split
+from ringfa4.ring.layout import required_multiple
 from ringfa4.train import checkpoint, metrics
 
 LAYOUT_MULTIPLE = {"zigzag": 2, "contiguous": 1}
@@ -105,8 +107,14 @@ class ParallelConfig:
     """zigzag (causal load balance, train.seq_len % (2 * cp) == 0) or contiguous"""
     backend: str = "auto"
     """attention kernels: auto, cute, fa4 or torch"""
+    cp_heads: int = 1
+    """head group of 2-D context parallelism: the cp ranks of a sequence are a ring of cp / cp_heads
+    head groups of cp_heads consecutive ranks, whose all-to-all trades sequence for heads
+    (ringfa4.ring.heads); it must divide parallel.cp and the model's heads, and divide or be a
+    multiple of its kv heads; size it with python -m ringfa4.plan"""
 
     def __post_init__(self):
+        _positive_int(self.cp_heads, "parallel.cp_heads")
         _positive_int(self.cp, "parallel.cp", allow_auto=True)
         _positive_int(self.dp_shard, "parallel.dp_shard", allow_auto=True)
         if self.cp == -1 and self.dp_shard == -1:
@@ -232,6 +240,7 @@ class Settings:
     backend: str
     param_dtype: object
     local_batch: int
+    cp_heads: int = 1
 
 
 def device_type(train_cfg):
@@ -257,14 +266,25 @@ def _mesh_sizes(par, world_size):
     return cp, dp_shard
 
 
+def _check_head_group(cp_heads, cp, model):
+    if cp % cp_heads:
+        raise ConfigError(f"parallel.cp_heads={cp_heads} must divide parallel.cp={cp} (cp = ring x head group)")
+    try:
+        check_split(model.n_heads, model.n_kv_heads, cp_heads)
+    except ValueError as e:
+        raise ConfigError(f"parallel.cp_heads={cp_heads}: {e}") from None
+
+
 def resolve(job, world_size, dev_type):
     """Settings for ``job`` on ``world_size`` ranks of ``dev_type``; raises ConfigError."""
     par, train = job.parallel, job.train
     cp, dp_shard = _mesh_sizes(par, world_size)
-    multiple = LAYOUT_MULTIPLE[par.layout] * cp
+    _check_head_group(par.cp_heads, cp, job.model.args())
+    multiple = required_multiple(cp // par.cp_heads, par.layout, par.cp_heads)
     if train.seq_len % multiple:
+        over = "" if par.cp_heads == 1 else f" over parallel.cp_heads={par.cp_heads} x ring {cp // par.cp_heads}"
         raise ConfigError(f"train.seq_len={train.seq_len} must be a multiple of {multiple} "
-                          f"({'2 * ' if par.layout == 'zigzag' else ''}parallel.cp) for layout {par.layout}")
+                          f"({'2 * ' if par.layout == 'zigzag' else ''}parallel.cp) for layout {par.layout}{over}")
     if train.global_batch % dp_shard:
         raise ConfigError(f"train.global_batch={train.global_batch} must be a multiple of "
                           f"parallel.dp_shard={dp_shard}")
@@ -276,7 +296,7 @@ def resolve(job, world_size, dev_type):
                           f"{checkpoint.complete_steps(train.checkpoint_dir)}: pass train.resume=true to "
                           f"continue that run, or choose another train.checkpoint_dir")
     return Settings(job.model.args(), cp, dp_shard, par.layout, par.backend, MIXED_PRECISION[precision],
-                    train.global_batch // dp_shard)
+                    train.global_batch // dp_shard, par.cp_heads)
 
 
 def check_backend(settings, device):
