@@ -6,10 +6,11 @@ import logging
 
 import torch
 
-from ringfa4 import backends
+from ringfa4 import backends, documents
 from ringfa4.ring import agree, heads
 from ringfa4.ring import layout as ring_layout
 from ringfa4.ring.attention import RingAttention
+from ringfa4.ring.documents import RingDocuments
 
 log = logging.getLogger("ringfa4")
 _logged_choices = set()
@@ -49,18 +50,18 @@ def _softmax_scale(softmax_scale, head_dim):
     return float(softmax_scale)
 
 
-def _choose_backend(name, q, k, v, causal):
+def _choose_backend(name, q, k, v, causal, doc_ids=None):
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if name != "auto":
         module = backends.get(name)
-        reason = module.unsupported_reason(q, k, v, causal, grad)
+        reason = module.unsupported_reason(q, k, v, causal, grad, doc_ids)
         if reason is not None:
             raise ValueError(f"backend {name!r} cannot run these inputs: {reason}")
         return module
     reasons = []
     for candidate in backends.AUTO_ORDER:
         module = backends.get(candidate)
-        reason = module.unsupported_reason(q, k, v, causal, grad)
+        reason = module.unsupported_reason(q, k, v, causal, grad, doc_ids)
         if reason is None:
             key = (candidate, q.device.type, q.dtype, grad)
             if key not in _logged_choices:
@@ -74,33 +75,50 @@ def _choose_backend(name, q, k, v, causal):
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, backend, causal, softmax_scale):
-        out, lse = backend.forward(q, k, v, causal, softmax_scale)
+    def forward(ctx, q, k, v, backend, causal, softmax_scale, doc_ids=None):
+        out, lse = backend.forward(q, k, v, causal, softmax_scale, **documents.call_kwargs(doc_ids))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.backend, ctx.causal, ctx.softmax_scale = backend, causal, softmax_scale
+        ctx.backend, ctx.causal, ctx.softmax_scale, ctx.doc_ids = backend, causal, softmax_scale, doc_ids
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        grads = ctx.backend.backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale)
-        return grads + (None,) * 3
+        grads = ctx.backend.backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
+                                     **documents.call_kwargs(ctx.doc_ids))
+        return grads + (None,) * 4
 
 
-def attention(q, k, v, causal=False, softmax_scale=None, backend="auto"):
+def _doc_rows(cu_seqlens, q, seq_len):
+    """Per-row document boundaries of ``cu_seqlens`` over a sequence of ``seq_len``, or None for
+    no documents or one per row (plain attention, bit for bit)."""
+    if cu_seqlens is None:
+        return None
+    rows = documents.row_boundaries(cu_seqlens, q.shape[0], seq_len, q.device)
+    return None if documents.is_dense(rows) else rows
+
+
+def attention(q, k, v, causal=False, softmax_scale=None, backend="auto", cu_seqlens=None):
     """Attention on one device: returns (out, lse).
 
     q (b, sq, h, d); k, v (b, sk, hk, d) with h % hk == 0; out like q; lse (b, h, sq), natural log,
     float32 (float64 for float64 inputs). Differentiable in q, k, v (lse is returned for merging and is not differentiable).
+    ``cu_seqlens``: packed documents, FlashAttention's 1-D int32 varlen boundaries (ringfa4.documents);
+    a query sees the keys of its own document only. Needs sq == sk.
     """
     _check_qkv(q, k, v, causal)
     scale = _softmax_scale(softmax_scale, q.shape[-1])
-    return _Attention.apply(q, k, v, _choose_backend(backend, q, k, v, causal), causal, scale)
+    if cu_seqlens is not None and q.shape[1] != k.shape[1]:
+        raise ValueError(f"cu_seqlens describes one packed sequence: q and k/v need the same length, "
+                         f"got {q.shape[1]} and {k.shape[1]}")
+    rows = _doc_rows(cu_seqlens, q, q.shape[1])
+    doc_ids = None if rows is None else documents.local_ids(rows, q.shape[1], q.device)
+    return _Attention.apply(q, k, v, _choose_backend(backend, q, k, v, causal, doc_ids), causal, scale, doc_ids)
 
 
 def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, head_group=None, layout="zigzag",
-                   backend="auto", deterministic=False, return_lse=False):
+                   backend="auto", deterministic=False, return_lse=False, cu_seqlens=None):
     """Attention over a sequence split across the ranks of ``group`` (this rank holds q, k, v of its part).
 
     Local tensors are laid out as ``shard`` gives them for ``layout`` (and ``head_group``); the result
@@ -112,6 +130,11 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, head_g
     (ringfa4.ring.agree): if not, every rank raises the same ValueError.
     Over NCCL, give the group high-priority streams (``ringfa4.nccl_options()``): at normal
     priority transfers can wait for whole kernels (a warning says so once per group).
+    ``cu_seqlens``: packed documents in global positions of the full sequence, the same on every
+    rank (ringfa4.documents; its checksum is part of the agreement). A ring step whose rows share
+    no document launches nothing (ringfa4.ring.documents counts them). layout "document_zigzag"
+    cuts every document into 2W pieces (rank r holds pieces r and 2W-1-r of each), which balances
+    causal work over documents of any lengths; it needs cu_seqlens, in shard and unshard too.
     """
     _check_qkv(q, k, v, causal)
     ring_layout.check_layout(layout)
@@ -125,15 +148,27 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, head_g
         name=f"global sequence length (q.shape[1] = {q.shape[1]} x {head_world * world} ranks)",
     )
     scale = _softmax_scale(softmax_scale, q.shape[-1])
-    module = _choose_backend(backend, q, k, v, causal)
+    seq_len = q.shape[1] * head_world * world
+    if layout == documents.DOCUMENT_ZIGZAG and cu_seqlens is None:
+        raise ValueError(f"layout {layout!r} follows the documents: it needs cu_seqlens")
+    rows = _doc_rows(cu_seqlens, q, seq_len)
+    if rows is None and layout == documents.DOCUMENT_ZIGZAG:
+        layout = "zigzag"  # one document per row: its pieces are zigzag's chunks
+    docs = doc_ids = None
+    if rows is not None:
+        ring_rank = ring_layout.group_rank_world(group)[0]
+        docs = RingDocuments(rows, ring_rank, world, layout, seq_len, q.device)
+        doc_ids = docs.local
+    module = _choose_backend(backend, q, k, v, causal, doc_ids)
     if world * head_world > 1:
-        agree.check(q, k, causal, layout, scale, deterministic, group, head_group)
+        agree.check(q, k, causal, layout, scale, deterministic, group, head_group,
+                    documents=None if rows is None else documents.checksum(rows))
     if head_world > 1:
         q, k, v = heads.qkv_to_heads(q, k, v, head_group)
     if world == 1:
-        out, lse = _Attention.apply(q, k, v, module, causal, scale)
+        out, lse = _Attention.apply(q, k, v, module, causal, scale, doc_ids)
     else:
-        out, lse = RingAttention.apply(q, k, v, module, causal, scale, group, layout, bool(deterministic))
+        out, lse = RingAttention.apply(q, k, v, module, causal, scale, group, layout, bool(deterministic), docs)
     if head_world > 1:
         out, lse = heads.out_to_seq(out, lse, head_group)
     return (out, lse) if return_lse else out

@@ -95,7 +95,7 @@ def test_overlapping_groups_are_refused_and_agreement_is_exchanged_once_per_new_
 
 
 def test_the_table_check_names_the_first_field_and_two_ranks():
-    row = [2, 1, 1, 8, 4, 2, 16, 3, 1, 0, 0.25, 0, 1]
+    row = [2, 1, 1, 8, 4, 2, 16, 3, 1, 0, 0.25, 0, 1, 0, 0]
     table = [row + [r, r, 1.0, r, 2.0] for r in range(3)]
     table[2][5] = 1  # kv heads on rank 2
     with pytest.raises(ValueError, match=r"kv heads \(k.shape\[2\]\): rank 0 has 2, rank 2 has 1"):

@@ -2,14 +2,14 @@
 
 Every backend module defines:
 
-    unsupported_reason(q, k, v, causal, grad) -> str | None
+    unsupported_reason(q, k, v, causal, grad, doc_ids=None) -> str | None
         None when the backend can run these inputs (forward, and backward too when ``grad``);
         otherwise one sentence saying why not, used in errors and by backend="auto".
-    forward(q, k, v, causal, softmax_scale) -> (out, lse)
+    forward(q, k, v, causal, softmax_scale, doc_ids=None) -> (out, lse)
         q (b, sq, h, d); k, v (b, sk, hk, d) with h % hk == 0; out like q; lse (b, h, sq) natural
         log, float32 (float64 for float64 inputs); a row with no visible key has lse = -inf and out = 0.
     backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, dv=None,
-             deterministic=False) -> (dq, dk, dv)
+             deterministic=False, doc_ids=None) -> (dq, dk, dv)
         Gradients of sum(dout * out) with the softmax normalised by the given lse (the merged,
         global one inside a ring), so one ring step's result is exactly its share of the full
         gradient. Given dq/dk/dv buffers (any float dtype, fp32 in the ring) receive the gradients
@@ -27,6 +27,15 @@ backward and query_state trust them, since a ring calls them once per step.
 Inputs may be views that are non-contiguous in the sequence dimension (a ring step slices
 one chunk of the local sequence); the head dimension is always contiguous.
 Causal attention requires sq == sk (the ring never asks for anything else).
+
+Packed documents (ringfa4.documents). ``doc_ids`` is None (every query may see every key, today's
+path, unchanged) or a pair (q_ids, k_ids) of int32 tensors of shape (b, sq) and (b, sk) on q's
+device: the document index of every query and key row, NONDECREASING along the sequence (a ring
+step's rows are increasing global positions, so documents come in order). Query i sees key j iff
+q_ids[i] == k_ids[j] (and j <= i when causal; causal calls have q and k over the same rows).
+Rows that see nothing (non-causal ring steps, rectangular calls) give lse = -inf and out = 0, and
+no gradient. The api and the ring derive the ids from ``cu_seqlens`` and the layout; ids of a
+step may be renumbered (ringfa4.ring.documents) but always keep the order.
 """
 import importlib
 

@@ -3,6 +3,7 @@
 The reference every other backend is tested against, and CI's backend. KV is processed in blocks
 with an online softmax, so memory grows with seq * BLOCK, never seq^2. Low-precision inputs are
 computed in fp32; fp32 and fp64 inputs keep their precision (tests use fp64 as ground truth).
+With doc_ids, a score whose query and key ids differ is masked like a causal one: exact for any ids.
 """
 import math
 
@@ -13,7 +14,7 @@ from ringfa4.backends import DqBuffer
 BLOCK = 512
 
 
-def unsupported_reason(q, k, v, causal, grad):
+def unsupported_reason(q, k, v, causal, grad, doc_ids=None):
     return None
 
 
@@ -43,16 +44,21 @@ def _kv_block(x, start, stop, dtype):
     return x[:, start:stop].to(dtype).permute(0, 2, 1, 3).unsqueeze(2)
 
 
-def _scores(qg, kb, start, causal, softmax_scale):
+def _scores(qg, kb, start, causal, softmax_scale, doc_ids):
+    stop = start + kb.shape[-2]
     s = torch.matmul(qg, kb.transpose(-1, -2)) * softmax_scale
     if causal:
         q_pos = torch.arange(qg.shape[-2], device=qg.device)[:, None]
-        k_pos = torch.arange(start, start + kb.shape[-2], device=qg.device)[None, :]
+        k_pos = torch.arange(start, stop, device=qg.device)[None, :]
         s = s.masked_fill(k_pos > q_pos, -math.inf)
+    if doc_ids is not None:
+        q_ids, k_ids = doc_ids
+        other = q_ids[:, :, None] != k_ids[:, None, start:stop]  # (b, sq, blk), broadcast over heads
+        s = s.masked_fill(other[:, None, None], -math.inf)
     return s
 
 
-def forward(q, k, v, causal, softmax_scale):
+def forward(q, k, v, causal, softmax_scale, doc_ids=None):
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     qg = _grouped(q, hk)
@@ -62,7 +68,7 @@ def forward(q, k, v, causal, softmax_scale):
     o = torch.zeros(qg.shape[:-1] + (v.shape[-1],), dtype=acc, device=q.device)
     for start in range(0, sk, BLOCK):
         stop = min(start + BLOCK, sk)
-        s = _scores(qg, _kv_block(k, start, stop, acc), start, causal, softmax_scale)
+        s = _scores(qg, _kv_block(k, start, stop, acc), start, causal, softmax_scale, doc_ids)
         new_max = torch.maximum(row_max, s.amax(-1))
         # A row that has seen no key yet keeps max -inf; shift it by 0 so exp() gives 0, not NaN.
         shift = torch.where(new_max == -math.inf, torch.zeros_like(new_max), new_max)
@@ -78,7 +84,7 @@ def forward(q, k, v, causal, softmax_scale):
 
 
 def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, dv=None,
-             deterministic=False):
+             deterministic=False, doc_ids=None):
     # Every operation here is deterministic on CPU and CUDA: `deterministic` needs no extra care.
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -94,7 +100,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     for start in range(0, sk, BLOCK):
         stop = min(start + BLOCK, sk)
         kb, vb = _kv_block(k, start, stop, acc), _kv_block(v, start, stop, acc)
-        p = torch.exp(_scores(qg, kb, start, causal, softmax_scale) - lse_g[..., None])
+        p = torch.exp(_scores(qg, kb, start, causal, softmax_scale, doc_ids) - lse_g[..., None])
         dp = torch.matmul(dog, vb.transpose(-1, -2))
         ds = p * (dp - delta[..., None]) * softmax_scale
         dq_g += torch.matmul(ds, kb)

@@ -30,7 +30,7 @@ from ringfa4.ring.layout import LAYOUTS
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)
 
 # (what the error calls it, how to print a value): the fields every rank must agree on, in the
-# order of the signature. Packed documents add their count and a checksum of cu_seqlens here.
+# order of the signature.
 FIELDS = (
     ("ring group size", int),
     ("head_group size", int),
@@ -45,6 +45,8 @@ FIELDS = (
     ("softmax_scale", float),
     ("deterministic", bool),
     ("requires_grad (any of q, k, v, with grad enabled)", bool),
+    ("cu_seqlens (documents in it; 0 without)", int),
+    ("cu_seqlens (CRC-32 of its boundaries)", int),
 )
 # After the fields: the rank's global rank, then the sum and the sum of squares of q's rows 0 and 1.
 _RANK, _PRINT = len(FIELDS), len(FIELDS) + 1
@@ -57,10 +59,10 @@ def _dtype_code(dtype):
     return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES) + zlib.crc32(str(dtype).encode()) % 1000
 
 
-def _key(q, k, causal, layout, softmax_scale, deterministic, ring_world, head_world):
+def _key(q, k, causal, layout, softmax_scale, deterministic, ring_world, head_world, documents):
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k))
     return (ring_world, head_world, *q.shape[:3], k.shape[2], q.shape[3], _dtype_code(q.dtype), bool(causal),
-            LAYOUTS.index(layout), float(softmax_scale), bool(deterministic), grad)
+            LAYOUTS.index(layout), float(softmax_scale), bool(deterministic), grad, *(documents or (0, 0)))
 
 
 def _fingerprint(q):
@@ -112,15 +114,16 @@ def check_table(table):
                          "its own shard of the sequence (ringfa4.shard), not the full sequence")
 
 
-def check(q, k, causal, layout, softmax_scale, deterministic, group, head_group):
+def check(q, k, causal, layout, softmax_scale, deterministic, group, head_group, documents=None):
     """Raise the same ValueError on every rank of group x head_group unless their calls agree.
 
-    ``head_group`` None is a head group of this rank alone. Collective over both groups the first
+    ``head_group`` None is a head group of this rank alone. ``documents``: (count, checksum) of
+    cu_seqlens (ringfa4.documents.checksum), None without. Collective over both groups the first
     time a signature is seen; a host-side lookup afterwards.
     """
     ring_world = dist.get_world_size(group)
     head_world = 1 if head_group is None else dist.get_world_size(head_group)
-    key = _key(q, k, causal, layout, softmax_scale, deterministic, ring_world, head_world)
+    key = _key(q, k, causal, layout, softmax_scale, deterministic, ring_world, head_world, documents)
     groups = (id(group), id(head_group))
     if key in _agreed.get(groups, ((), ()))[1]:
         return

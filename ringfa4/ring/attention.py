@@ -14,6 +14,7 @@ last transfer as well: no transfer is left exposed.
 """
 import torch
 
+from ringfa4.documents import call_kwargs
 from ringfa4.ring import timeline
 from ringfa4.ring.comm import Ring
 from ringfa4.ring.merge import merge_
@@ -34,10 +35,11 @@ def _sum_dtype(x, lse, world):
     return x.dtype if world == 2 else lse.dtype
 
 
-def ring_forward(backend, q, k, v, causal, softmax_scale, ring, layout):
+def ring_forward(backend, q, k, v, causal, softmax_scale, ring, layout, docs=None):
     """(out, lse, the last KV block held), the block being what the backward starts with.
 
-    ``ring``: a comm.Ring (or a stand-in with its rank, world, start and wait, ringfa4.ring.simulate)."""
+    ``ring``: a comm.Ring (or a stand-in with its rank, world, start and wait, ringfa4.ring.simulate).
+    ``docs``: a ringfa4.ring.documents.RingDocuments of this call, or None (no documents)."""
     rank, world = ring.rank, ring.world
     kv = [k.contiguous(), v.contiguous()]
     targets = [_empty_like(kv) for _ in range(min(2, world - 1))]
@@ -45,10 +47,14 @@ def ring_forward(backend, q, k, v, causal, softmax_scale, ring, layout):
     for i in range(world):
         last = i + 1 == world
         works = ring.start(kv, targets[i % 2], span=("fwd", i, "kv")) if not last else []
-        step = plan(rank, (rank - i) % world, layout, causal, q.shape[1])
+        source = (rank - i) % world
+        step, ids = plan(rank, source, layout, causal, q.shape[1]), None
+        if docs is not None:
+            step, ids = docs.step(step, source, causal, "fwd", kv)
         started = timeline.begin(q.device)
         if step is not None:
-            o, l = backend.forward(q[:, step.q], kv[0][:, step.kv], kv[1][:, step.kv], step.causal, softmax_scale)
+            o, l = backend.forward(q[:, step.q], kv[0][:, step.kv], kv[1][:, step.kv], step.causal, softmax_scale,
+                                   **call_kwargs(ids))
             if out is None:  # step 0, the local block, always covers every query row
                 out, lse = o.to(_sum_dtype(q, l, world)), l
             else:
@@ -62,7 +68,8 @@ def ring_forward(backend, q, k, v, causal, softmax_scale, ring, layout):
     return out.to(q.dtype), lse, kv
 
 
-def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_scale, ring, layout, deterministic):
+def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_scale, ring, layout, deterministic,
+                  docs=None):
     """dq stays home in the backend's query state, which every step adds into.
 
     ``ring`` turns the other way (sends to the previous rank). A step asks the backend for fresh
@@ -80,7 +87,10 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
         local = j + 1 == world
         # The block of step j + 1 travels during step j; the local one is already here.
         kv_works = ring.start(kv, targets[j % 2], span=("bwd", j, "kv")) if j + 2 < world else []
-        step = plan(rank, (rank + 1 + j) % world, layout, causal, q.shape[1])
+        source = (rank + 1 + j) % world
+        step, ids = plan(rank, source, layout, causal, q.shape[1]), None
+        if docs is not None:
+            step, ids = docs.step(step, source, causal, "bwd", kv)
         started = timeline.begin(q.device)
         grads = None
         if step is not None:
@@ -88,6 +98,7 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
             _, *grads = backend.backward(
                 dout[:, rows], q[:, rows], kv[0][:, step.kv], kv[1][:, step.kv], out[:, rows],
                 lse[:, :, rows], step.causal, softmax_scale, dq=queries.rows(rows), deterministic=deterministic,
+                **call_kwargs(ids),
             )
         if j == 0:  # this block's sums start here
             sum_dtype = _sum_dtype(kv[0], lse, world)
@@ -118,11 +129,11 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, backend, causal, softmax_scale, group, layout, deterministic):
+    def forward(ctx, q, k, v, backend, causal, softmax_scale, group, layout, deterministic, docs=None):
         ring = Ring(group, q.device)
-        out, lse, (k_last, v_last) = ring_forward(backend, q, k, v, causal, softmax_scale, ring, layout)
+        out, lse, (k_last, v_last) = ring_forward(backend, q, k, v, causal, softmax_scale, ring, layout, docs)
         ctx.save_for_backward(q, k, v, out, lse, k_last, v_last)
-        ctx.args = (causal, softmax_scale, ring.turned(), layout, deterministic)
+        ctx.args = (causal, softmax_scale, ring.turned(), layout, deterministic, docs)
         ctx.backend = backend
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -131,4 +142,4 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, k_last, v_last = ctx.saved_tensors
         grads = ring_backward(ctx.backend, dout, q, k, v, out, lse, [k_last, v_last], *ctx.args)
-        return grads + (None,) * 6
+        return grads + (None,) * 7

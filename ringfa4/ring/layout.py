@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 
-LAYOUTS = ("zigzag", "contiguous")
+# document_zigzag (ringfa4.documents): zigzag inside every document; it needs cu_seqlens.
+LAYOUTS = ("zigzag", "contiguous", "document_zigzag")
 
 
 def check_layout(layout):
@@ -20,12 +21,14 @@ def check_layout(layout):
 def num_chunks(world, layout):
     """How many equal chunks the full sequence is cut into."""
     check_layout(layout)
-    return 2 * world if layout == "zigzag" else world
+    return world if layout == "contiguous" else 2 * world
 
 
 def chunk_ids(rank, world, layout):
     """The chunks rank holds, in the order they sit in its local sequence."""
     check_layout(layout)
+    if layout == "document_zigzag":
+        raise ValueError("layout 'document_zigzag' follows the documents: pass cu_seqlens (ringfa4.documents)")
     return (rank, 2 * world - 1 - rank) if layout == "zigzag" else (rank,)
 
 
@@ -78,19 +81,32 @@ def part(x, rank, world, layout, dim=1, head_rank=0, head_world=1):
     return local.chunk(head_world, dim=dim)[head_rank] if head_world > 1 else local
 
 
-def shard(x, dim=1, group=None, layout="zigzag", head_group=None):
+def _document_rows(x, dim, cu_seqlens, layout):
+    from ringfa4 import documents
+    if cu_seqlens is None:
+        raise ValueError(f"layout {layout!r} follows the documents: it needs cu_seqlens")
+    return documents, documents.row_boundaries(cu_seqlens, x.shape[0], x.shape[dim], x.device)
+
+
+def shard(x, dim=1, group=None, layout="zigzag", head_group=None, cu_seqlens=None):
     """This rank's part of ``x``, a tensor holding the full sequence along ``dim`` (same on every rank).
 
     With a ``head_group`` of U ranks, each ring shard is cut into U contiguous pieces and member u
-    of the head group holds piece u (see ringfa4.ring.heads).
+    of the head group holds piece u (see ringfa4.ring.heads). ``cu_seqlens`` (packed documents of
+    the batch rows, dim 0) is needed by layout "document_zigzag" only.
     """
     rank, world = group_rank_world(group)
     head_rank, head_world = _head_rank_world(head_group)
+    if layout == "document_zigzag":
+        check_divisible(x.shape[dim], world, layout, name=f"x.shape[{dim}]", head_world=head_world)
+        documents, rows = _document_rows(x, dim, cu_seqlens, layout)
+        return documents.part(x, rows, rank, world, dim, head_rank, head_world)
     return part(x, rank, world, layout, dim, head_rank, head_world)
 
 
-def unshard(x_local, dim=1, group=None, layout="zigzag", head_group=None):
-    """The full sequence from every rank's part (all-gathers; differentiable)."""
+def unshard(x_local, dim=1, group=None, layout="zigzag", head_group=None, cu_seqlens=None):
+    """The full sequence from every rank's part (all-gathers; differentiable). ``cu_seqlens``:
+    as for shard (layout "document_zigzag" only)."""
     rank, world = group_rank_world(group)
     check_layout(layout)
     if head_group is not None and dist.get_world_size(head_group) > 1:
@@ -98,6 +114,10 @@ def unshard(x_local, dim=1, group=None, layout="zigzag", head_group=None):
     if world == 1:
         return x_local
     parts = dist_fn.all_gather(x_local.contiguous(), group=group or dist.group.WORLD)
+    if layout == "document_zigzag":
+        seq_len = x_local.shape[dim] * world
+        documents, rows = _document_rows(x_local.new_empty(x_local.shape[0], seq_len), 1, cu_seqlens, layout)
+        return documents.assemble(parts, rows, world, dim)
     per_rank = len(chunk_ids(0, world, layout))
     if x_local.shape[dim] % per_rank:
         raise ValueError(

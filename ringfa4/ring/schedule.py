@@ -20,6 +20,8 @@ def plan(rank, source, layout, causal, local_len):
         return Step(everything, everything, False)
     if source == rank:
         return Step(everything, everything, True)
+    if layout == "document_zigzag":  # documents' ids say what each row sees (ringfa4.ring.documents)
+        return Step(everything, everything, False)
     if layout == "contiguous":
         return Step(everything, everything, False) if source < rank else None
     # zigzag: rank r holds chunks (r, 2W-1-r). An earlier source's first chunk precedes both local

@@ -22,7 +22,9 @@ from ringfa4.backends.cute.tensors import (DTYPE_NAMES, INPUT_DTYPES, layout_rea
 HEAD_DIMS = (64, 128)
 
 
-def unsupported_reason(q, k, v, causal, grad):
+def unsupported_reason(q, k, v, causal, grad, doc_ids=None):
+    if doc_ids is not None:
+        return "cute kernels do not take document masks (packed documents, doc_ids) yet"
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return f"cute kernels run on CUDA tensors only, got devices {q.device}, {k.device}, {v.device}"
     major, minor = torch.cuda.get_device_capability(q.device)

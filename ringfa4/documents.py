@@ -1,0 +1,154 @@
+"""Packed documents: ``cu_seqlens`` checked once, turned into per-row document ids, and the
+"document_zigzag" layout.
+
+cu_seqlens is FlashAttention's varlen format: ONE 1-D int32 tensor of cumulative document
+lengths, starting at 0, strictly increasing. Its last value says how it applies to a batch of
+(b, s) sequences:
+  - s:      one set of boundaries shared by every row of the batch;
+  - b * s:  FA's packed batch, the rows concatenated (documents never cross a row, so every
+            multiple of s is a boundary); rows may then hold different documents.
+A 1-D tensor is what users of flash_attn_varlen_func already build; a (b, n+1) tensor would
+force every row to hold the same number of documents, and a list of tensors cannot travel
+through custom operators or be checked as one value across ranks.
+
+Positions are global: those of the full, unsharded sequence. A query at position i sees a key at
+position j iff both lie in the same document (and j <= i when causal).
+
+Backends receive ``doc_ids = (q_ids, k_ids)``: int32 (b, sq) and (b, sk) on q's device, the
+document index of every query and key row, nondecreasing along the sequence (ringfa4.backends).
+"""
+import zlib
+
+import torch
+
+DOCUMENT_ZIGZAG = "document_zigzag"
+
+
+def _host_values(cu_seqlens, device):
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a 1-D torch.int32 tensor (FlashAttention's varlen format), "
+                        f"got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"cu_seqlens must have dtype torch.int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 values (0 and the sequence length), "
+                         f"got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device.type != "cpu" and cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens must be on the CPU or on q's device {device}, got {cu_seqlens.device}")
+    return cu_seqlens.tolist()
+
+
+def row_boundaries(cu_seqlens, batch, seq_len, device):
+    """Per batch row, the document boundaries [0, ..., seq_len] (host ints); raises TypeError or
+    ValueError naming cu_seqlens (see the module docstring for the two forms)."""
+    values = _host_values(cu_seqlens, device)
+    if values[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {values[0]}")
+    bad = next((i for i in range(1, len(values)) if values[i] <= values[i - 1]), None)
+    if bad is not None:
+        raise ValueError(f"cu_seqlens must be strictly increasing, got {values[bad - 1]} then {values[bad]} "
+                         f"at index {bad}")
+    if values[-1] == seq_len:
+        return [values] * batch
+    if values[-1] != batch * seq_len or batch == 1:
+        raise ValueError(f"cu_seqlens must end at the sequence length {seq_len} (shared by the batch) or at "
+                         f"batch x sequence length {batch * seq_len} (FA's packed batch), got {values[-1]}")
+    present = set(values)
+    missing = [r * seq_len for r in range(1, batch) if r * seq_len not in present]
+    if missing:
+        raise ValueError(f"cu_seqlens over the packed batch ({batch} rows of {seq_len}) must hold every row "
+                         f"end: documents never cross rows; {missing[0]} is missing")
+    return [[x - r * seq_len for x in values if r * seq_len <= x <= (r + 1) * seq_len] for r in range(batch)]
+
+
+def checksum(rows):
+    """(documents, crc32 of the boundaries): what every rank of a ring must agree on."""
+    flat = [x for row in rows for x in row]
+    return sum(len(row) - 1 for row in rows), zlib.crc32(torch.tensor(flat, dtype=torch.int64).numpy().tobytes())
+
+
+def is_dense(rows):
+    """True when every row is one document: the call is plain attention, bit for bit."""
+    return all(len(row) == 2 for row in rows)
+
+
+def ids_at(rows, positions):
+    """int32 document ids (b, n) of the global positions (b, n) (a CPU tensor)."""
+    width = max(len(row) for row in rows)
+    # Rows with fewer documents are padded with their end, which no position reaches.
+    bounds = torch.tensor([row + [row[-1]] * (width - len(row)) for row in rows], dtype=torch.int64)
+    return (torch.searchsorted(bounds, positions.contiguous(), right=True) - 1).to(torch.int32)
+
+
+def pieces(row, world):
+    """document_zigzag: every document of ``row`` cut into 2W pieces, as (document, piece index,
+    start, stop). A document of n tokens gets pieces of n // 2W tokens; its n % 2W remaining
+    tokens go one each to pieces chosen round-robin over the whole row, so every piece index
+    gets the same count and every rank the same length."""
+    n_pieces = 2 * world
+    turn = 0
+    out = []
+    for d, (start, stop) in enumerate(zip(row[:-1], row[1:])):
+        base, extra = divmod(stop - start, n_pieces)
+        longer = {(turn + t) % n_pieces for t in range(extra)}
+        turn += extra
+        for p in range(n_pieces):
+            size = base + (p in longer)
+            out.append((d, p, start, start + size))
+            start += size
+    return out
+
+
+def positions(rows, rank, world, layout, seq_len):
+    """(b, L) int64: the global positions ring rank ``rank`` of ``world`` holds, in local order."""
+    from ringfa4.ring.layout import chunk_ids, num_chunks
+    if layout != DOCUMENT_ZIGZAG:
+        chunk = seq_len // num_chunks(world, layout)
+        local = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in chunk_ids(rank, world, layout)])
+        return local.expand(len(rows), -1)
+    held = (rank, 2 * world - 1 - rank)
+    return torch.stack([torch.cat([torch.arange(a, b) for _, p, a, b in pieces(row, world) if p in held])
+                        for row in rows])
+
+
+def late_rows(rows, rank, world):
+    """document_zigzag: (b, L) bool, True for the rows of the rank's second piece of each document."""
+    return torch.stack([torch.cat([torch.full((b - a,), p >= world) for _, p, a, b in pieces(row, world)
+                                   if p in (rank, 2 * world - 1 - rank)]) for row in rows])
+
+
+def _gather_index(index, x):
+    return index.to(x.device).view(*index.shape, *[1] * (x.dim() - 2)).expand(-1, -1, *x.shape[2:])
+
+
+def part(x, rows, rank, world, dim=1, head_rank=0, head_world=1):
+    """document_zigzag: the part of the full sequence ``x`` (batch rows along dim 0, the sequence
+    along ``dim``) that ring rank ``rank`` of ``world`` holds; with a head group, piece
+    ``head_rank`` of ``head_world`` of it (as ringfa4.ring.layout.part)."""
+    x = x.movedim(dim, 1)
+    local = torch.gather(x, 1, _gather_index(positions(rows, rank, world, DOCUMENT_ZIGZAG, x.shape[1]), x))
+    if head_world > 1:
+        local = local.chunk(head_world, dim=1)[head_rank]
+    return local.movedim(1, dim)
+
+
+def assemble(parts, rows, world, dim=1):
+    """document_zigzag: the full sequence from every ring rank's part (in rank order)."""
+    parts = [p.movedim(dim, 1) for p in parts]
+    seq_len = parts[0].shape[1] * world
+    full = parts[0].new_zeros(parts[0].shape[0], seq_len, *parts[0].shape[2:])
+    for rank, local in enumerate(parts):
+        full = full.scatter(1, _gather_index(positions(rows, rank, world, DOCUMENT_ZIGZAG, seq_len), local), local)
+    return full.movedim(1, dim)
+
+
+def call_kwargs(doc_ids):
+    """Keyword arguments of a backend call: none without documents, so that path is the call of
+    a ringfa4 without documents, bit for bit (and backends that take no documents still run it)."""
+    return {} if doc_ids is None else {"doc_ids": doc_ids}
+
+
+def local_ids(rows, seq_len, device):
+    """doc_ids (q_ids, k_ids) of one unsharded sequence of ``seq_len`` per row, on ``device``."""
+    ids = ids_at(rows, torch.arange(seq_len).expand(len(rows), -1)).to(device)
+    return ids, ids

@@ -1,0 +1,133 @@
+"""Packed documents: the ring over gloo processes equals per-document fp64 attention on the full
+sequence (out, lse, dq, dk, dv), for every layout, causal and not, GQA, many boundary shapes."""
+import math
+import random
+
+import pytest
+import torch
+
+import ringfa4
+import ringfa4.backends.torch_ref as torch_ref
+from distributed import run
+from ringfa4 import documents
+from ringfa4.ring.documents import counting
+
+TOL = 1e-9
+LAYOUTS = ("zigzag", "contiguous", "document_zigzag")
+
+
+def document_attention_fp64(q, k, v, rows, causal, scale=None):
+    """(out, lse) of attention masked to documents (``rows``: per batch row its boundaries), fp64."""
+    q, k, v = (t.to(torch.float64) for t in (q, k, v))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    ids = documents.ids_at(rows, torch.arange(q.shape[1]).expand(q.shape[0], -1))
+    hidden = ids[:, None, :, None] != ids[:, None, None, :]
+    if causal:
+        hidden = hidden | torch.ones(s.shape[-2:], dtype=torch.bool).triu(1)
+    s = s.masked_fill(hidden, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # rows that see nothing: out 0 (lse -inf)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
+
+
+def boundary_sets(world, seq, rng):
+    """Named cu_seqlens lists over one row of ``seq`` tokens."""
+    chunk = seq // (2 * world)
+    cuts = sorted(rng.sample(range(1, seq), 5))
+    return {
+        "random with length-1 documents": sorted({0, seq, *cuts, cuts[0] + 1, seq - 1}),
+        "one document spanning every rank": [0, 1, seq - 2, seq],
+        "boundaries on chunk edges": list(range(0, seq + 1, chunk)),
+        "many tiny documents": sorted({0, seq, *range(0, seq, 3)}),
+    }
+
+
+def _run_ring(local, layout, causal, scale, cu, dout):
+    out, lse = ringfa4.ring_attention(*local, causal=causal, softmax_scale=scale, layout=layout, backend="torch",
+                                      return_lse=True, cu_seqlens=cu)
+    return (out, lse, *torch.autograd.grad(out, local, dout))
+
+
+def _check(rank, world, seed):
+    torch_ref.BLOCK = 16
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    for layout in LAYOUTS:
+        for causal in (False, True):
+            b, h, hk, d, scale = rng.choice([(1, 4, 2, 16, None), (2, 4, 1, 8, 0.5), (1, 2, 2, 32, None)])
+            seq = 8 * 2 * world
+            sets = boundary_sets(world, seq, rng)
+            for name, row in sets.items():
+                if b == 1:
+                    cu, rows = torch.tensor(row, dtype=torch.int32), [row]
+                else:  # FA's packed batch: the second row holds other documents
+                    second = [0, seq // 2 + 1, seq]
+                    cu = torch.tensor(row + [seq + x for x in second[1:]], dtype=torch.int32)
+                    rows = [row, second]
+                case = f"W={world} {layout} causal={causal} b={b} h={h} hk={hk} {name} cu={cu.tolist()}"
+                q, k, v, dout = (torch.randn(b, seq, n, d, dtype=torch.float64, generator=gen) for n in (h, hk, hk, h))
+                full = [t.clone().requires_grad_() for t in (q, k, v)]
+                ref_out, ref_lse = document_attention_fp64(*full, rows, causal, scale)
+                ref = (ref_out, ref_lse, *torch.autograd.grad(ref_out, full, dout))
+
+                def sharded(t, dim=1):
+                    return ringfa4.shard(t, dim=dim, layout=layout, cu_seqlens=cu)
+
+                local = [sharded(t).requires_grad_() for t in (q, k, v)]
+                got = _run_ring(local, layout, causal, scale, cu, sharded(dout))
+                for what, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
+                    r = sharded(r, dim=2 if what == "lse" else 1)
+                    assert torch.isfinite(g).all(), f"rank {rank}: {what} not finite ({case})"
+                    err = (g - r).abs().max().item()
+                    assert g.shape == r.shape and err < TOL, f"rank {rank}: {what} error {err:.3g} ({case})"
+                back = ringfa4.unshard(sharded(ref_out.detach()), layout=layout, cu_seqlens=cu)
+                assert torch.equal(back, ref_out.detach()), f"rank {rank}: unshard(shard(x)) != x ({case})"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_with_documents_matches_per_document_fp64_attention(world):
+    run(_check, world, random.randrange(2**31))
+
+
+def _check_single_document(rank, world, seed):
+    gen = torch.Generator().manual_seed(seed)
+    seq = 16 * world
+    for layout in LAYOUTS:
+        for causal in (False, True):
+            q, k, v, dout = (torch.randn(2, seq, n, 16, dtype=torch.float64, generator=gen) for n in (4, 2, 2, 4))
+            shard_layout = "zigzag" if layout == "document_zigzag" else layout
+            local = [ringfa4.shard(t, layout=shard_layout).requires_grad_() for t in (q, k, v)]
+            dense = _run_ring(local, shard_layout, causal, None, None, ringfa4.shard(dout, layout=shard_layout))
+            for cu in ([0, seq], [0, seq, 2 * seq]):  # shared by the batch; FA's packed batch
+                one = _run_ring(local, layout, causal, None, torch.tensor(cu, dtype=torch.int32),
+                                ringfa4.shard(dout, layout=shard_layout))
+                for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), one, dense):
+                    assert torch.equal(a, b), f"rank {rank}: {what} of one document per row differs from dense ({layout})"
+
+
+def test_one_document_per_row_is_the_dense_ring_bit_for_bit():
+    run(_check_single_document, 2, random.randrange(2**31))
+
+
+def _check_skips(rank, world, seed):
+    gen = torch.Generator().manual_seed(seed)
+    seq = 8 * world
+    # Contiguous, causal, documents inside each rank's chunk: every step but the local one shares nothing.
+    cu = torch.tensor(list(range(0, seq + 1, 8)), dtype=torch.int32)
+    local = [ringfa4.shard(t, layout="contiguous").requires_grad_()
+             for t in (torch.randn(1, seq, 2, 8, dtype=torch.float64, generator=gen) for _ in range(3))]
+    with counting() as count:
+        out = ringfa4.ring_attention(*local, causal=True, layout="contiguous", backend="torch", cu_seqlens=cu)
+        out.sum().backward()
+    # Causal contiguous: rank r computes its local step and r steps of earlier ranks, all skipped.
+    assert count.computed == {"fwd": 1, "bwd": 1}, count
+    assert count.skipped == {"fwd": rank, "bwd": rank}, count
+    kv_bytes = 2 * 8 * 2 * 8 * 8  # k and v rows of a block, fp64
+    assert count.skipped_kv_bytes == {"fwd": rank * kv_bytes, "bwd": rank * kv_bytes}, count
+
+
+def test_steps_without_a_shared_document_launch_nothing_and_are_counted():
+    run(_check_skips, 3, random.randrange(2**31))
