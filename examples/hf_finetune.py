@@ -25,11 +25,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-import ringfa4
 from ringfa4 import hf
 from ringfa4.nn import build_mesh
 from ringfa4.nn.parallel import CP, DP_SHARD
-from ringfa4.train import checkpoint, data, metrics
+from ringfa4.train import checkpoint, data, launch, metrics
 
 
 def parse_args(argv=None):
@@ -63,16 +62,9 @@ def parse_args(argv=None):
     return args
 
 
-def init_distributed():
-    """torchrun's rank joins NCCL (high-priority streams for the ring) on its GPU, or gloo on CPU."""
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, pg_options=ringfa4.nccl_options())
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return device
+def say(message):
+    if dist.get_rank() == 0:
+        print(f"hf_finetune: {message}", flush=True)
 
 
 def tiny_config():
@@ -125,11 +117,10 @@ def token_stream(args, vocab_size):
 
 def main(argv=None):
     args = parse_args(argv)
-    device = init_distributed()
-    try:
+    dev_type = "cuda" if torch.cuda.is_available() else "cpu"
+    env = [int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")]  # set by torchrun
+    with launch.process_group(dev_type, *env) as device:
         train(args, device)
-    finally:
-        dist.destroy_process_group()
 
 
 def train(args, device):
@@ -146,14 +137,13 @@ def train(args, device):
     local_batch = args.global_batch // (world // cp)
 
     start, position = 0, 0
-    if args.resume and checkpoint.complete_steps(args.checkpoint_dir):
-        step = checkpoint.complete_steps(args.checkpoint_dir)[-1]
+    step = checkpoint.newest_valid(args.checkpoint_dir, say) if args.resume else None
+    if step is not None:
         start, position = checkpoint.load(args.checkpoint_dir, step, model, optimizer, device)
     writer = metrics.Writer(args.metrics if rank == 0 else [], args.steps, args.run_dir, config=vars(args))
-    if rank == 0:
-        print(f"hf_finetune: {world} rank(s) on {device.type}, dp_shard={world // cp} x cp={cp} ({args.layout}), "
-              f"{args.model or 'tiny random Llama'}, seq_len={args.seq_len}, global batch {args.global_batch}"
-              + (f", resumed at step {start}" if start else ""), flush=True)
+    say(f"{world} rank(s) on {device.type}, dp_shard={world // cp} x cp={cp} ({args.layout}), "
+        f"{args.model or 'tiny random Llama'}, seq_len={args.seq_len}, global batch {args.global_batch}"
+        + (f", resumed at step {start}" if start else ""))
     flops_per_step = hf.flops_per_token(config, args.seq_len) * args.global_batch * args.seq_len
     peak, last = metrics.peak_flops(device), time.perf_counter()
     for step in range(start + 1, args.steps + 1):
