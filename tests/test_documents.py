@@ -1,0 +1,97 @@
+"""Packed documents on one device: attention(cu_seqlens=) against per-document fp64 attention,
+the document_zigzag layout's pieces, and bad cu_seqlens named in the error."""
+import random
+
+import pytest
+import torch
+
+import ringfa4
+from distributed import run
+from ringfa4 import documents
+from test_documents_ring import document_attention_fp64
+
+
+def _i32(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_with_documents_matches_per_document_fp64_attention(causal):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 40, n, 16, dtype=torch.float64, generator=gen) for n in (4, 2, 2, 4))
+    rows = [[0, 1, 2, 17, 39, 40], [0, 40]]
+    cu = _i32(rows[0] + [40 + x for x in rows[1][1:]])  # FA's packed batch
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = document_attention_fp64(*full, rows, causal)
+    ref = (ref_out, ref_lse, *torch.autograd.grad(ref_out, full, dout))
+    mine = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = ringfa4.attention(*mine, causal=causal, backend="torch", cu_seqlens=cu)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *torch.autograd.grad(out, mine, dout)), ref):
+        assert (a - b).abs().max().item() < 1e-10, name
+
+
+def test_attention_with_one_document_is_dense_attention_bit_for_bit():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 32, 2, 8, generator=gen) for _ in range(3))
+    dense = ringfa4.attention(q, k, v, causal=True, backend="torch")
+    one = ringfa4.attention(q, k, v, causal=True, backend="torch", cu_seqlens=_i32([0, 32]))
+    assert all(torch.equal(a, b) for a, b in zip(dense, one))
+
+
+def test_document_zigzag_gives_every_rank_both_pieces_of_every_document_and_equal_lengths():
+    rng = random.Random(2)
+    for _ in range(200):
+        world = rng.choice([2, 3, 4, 8])
+        seq = 2 * world * rng.randrange(1, 12)
+        row = sorted({0, seq, *rng.sample(range(1, seq), min(seq - 1, rng.randrange(0, 9)))})
+        held = [documents.positions([row], r, world, "document_zigzag", seq)[0] for r in range(world)]
+        assert all(len(h) == seq // world for h in held), (row, world)
+        assert sorted(torch.cat(held).tolist()) == list(range(seq)), (row, world)
+        for pieces in [documents.pieces(row, world)]:
+            sizes = {}
+            for d, p, a, b in pieces:
+                sizes.setdefault(d, []).append(b - a)
+            assert all(max(s) - min(s) <= 1 for s in sizes.values()), (row, world)  # every document cut evenly
+
+
+@pytest.mark.parametrize("cu, error, match", [
+    ([0, 5, 3, 16], ValueError, "strictly increasing"),
+    ([0, 5, 5, 16], ValueError, "strictly increasing"),
+    ([1, 5, 16], ValueError, "start at 0"),
+    ([0, 5, 15], ValueError, "end at the sequence length 16"),
+    ([0, 16, 24, 33], ValueError, "end at the sequence length 16"),
+    ([0, 10, 20, 32], ValueError, "every row end"),
+    ([16], ValueError, "at least 2 values"),
+])
+def test_bad_boundaries_are_named(cu, error, match):
+    q = torch.randn(2, 16, 2, 8)
+    with pytest.raises(error, match="cu_seqlens.*" + match):
+        ringfa4.attention(q, q, q, cu_seqlens=_i32(cu))
+
+
+def test_bad_cu_seqlens_types_are_named():
+    q = torch.randn(1, 16, 2, 8)
+    for cu, error in ((torch.tensor([0, 16]), TypeError), ([0, 16], TypeError), (_i32([[0, 16]]), ValueError),
+                      (torch.tensor([0, 16], dtype=torch.int32, device="meta"), ValueError)):
+        with pytest.raises(error, match="cu_seqlens"):
+            ringfa4.attention(q, q, q, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        ringfa4.attention(q, q[:, :8], q[:, :8], cu_seqlens=_i32([0, 16]))
+    with pytest.raises(ValueError, match="document_zigzag.*cu_seqlens"):
+        ringfa4.ring_attention(q, q, q, layout="document_zigzag")
+    with pytest.raises(ValueError, match="document_zigzag.*cu_seqlens"):
+        ringfa4.shard(q, layout="document_zigzag")
+
+
+def _check_disagreement(rank, world):
+    q = torch.randn(1, 8, 2, 8) + rank
+    cu = _i32([0, 3, 16] if rank == 0 else [0, 4, 16])
+    with pytest.raises(ValueError, match=r"disagree on cu_seqlens \(CRC-32"):
+        ringfa4.ring_attention(q, q, q, causal=True, backend="torch", cu_seqlens=cu)
+    with pytest.raises(ValueError, match=r"disagree on cu_seqlens \(documents in it"):
+        ringfa4.ring_attention(q, q, q, causal=True, backend="torch",
+                               cu_seqlens=None if rank == 0 else _i32([0, 4, 16]))
+
+
+def test_ranks_with_different_cu_seqlens_all_raise_naming_it():
+    run(_check_disagreement, 2)
