@@ -49,8 +49,11 @@ def complete_steps(directory):
 
 
 def _digest(path):
+    sha = hashlib.sha256()  # read in blocks (hashlib.file_digest needs Python 3.11)
     with open(path, "rb") as f:
-        return {"bytes": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+        for block in iter(lambda: f.read(1 << 24), b""):
+            sha.update(block)
+        return {"bytes": f.tell(), "sha256": sha.hexdigest()}
 
 
 def _in_turns(names, fn):
