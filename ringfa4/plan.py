@@ -39,7 +39,7 @@ from importlib import resources
 from pathlib import Path
 
 from ringfa4 import flops
-from ringfa4.ring import schedule
+from ringfa4.ring import balance, schedule
 from ringfa4.ring.layout import nearest_length, required_multiple
 
 MiB = 1 << 20
@@ -629,6 +629,9 @@ def _parser():
                    help="comma list of bench JSON files: write a calibration of --gpu from them (see --write)")
     p.add_argument("--gpu", default="H200", choices=CALIBRATED_GPUS, help="the GPU --refit calibrates")
     p.add_argument("--write", default=None, metavar="FILE", help="where --refit writes (default: stdout)")
+    p.add_argument("--documents", action="store_true",
+                   help="print instead the load balance of packed documents per layout at W = 2, 4, 8, for "
+                        "--seq and 4x --seq tokens (ringfa4.ring.balance)")
     return p
 
 
@@ -658,6 +661,9 @@ def main(argv=None):
         print(text, end="") if args.write is None else Path(args.write).write_text(text)
         return
     worlds = _check_args(p, args)
+    if args.documents:
+        print("\n".join(balance.report(totals=(args.seq, 4 * args.seq))))
+        return
     topos = presets(args.backend, cals)
     chosen = sorted(topos) if args.preset == "all" else [args.preset]
     if any(n not in topos for n in chosen):

@@ -95,3 +95,26 @@ def _check_disagreement(rank, world):
 
 def test_ranks_with_different_cu_seqlens_all_raise_naming_it():
     run(_check_disagreement, 2)
+
+
+def test_document_zigzag_balances_the_issue_mixes_where_zigzag_does_not():
+    from ringfa4.ring import balance
+    worst = {layout: 0.0 for layout in balance.LAYOUTS}
+    for long_docs in (0, 3):
+        row = balance.document_mix(1 << 17, seed=0, long_docs=long_docs)
+        for world in (2, 4, 8):
+            work = {layout: balance.rank_flops(row, world, layout) for layout in balance.LAYOUTS}
+            # Every layout computes the same pairs in all: sum over documents of n (n + 1) / 2.
+            pairs = sum((b - a) * (b - a + 1) // 2 for a, b in zip(row[:-1], row[1:]))
+            assert all(sum(w) == pairs * 4 * 128 for w in work.values())
+            for layout, w in work.items():
+                worst[layout] = max(worst[layout], max(w) / (sum(w) / world))
+    assert worst["zigzag"] > 1.10 and worst["document_zigzag"] <= 1.10, worst
+
+
+def test_plan_prints_the_documents_balance():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "ringfa4.plan", "--documents", "--seq", "16384"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "document_zigzag" in out and len(out.splitlines()) == 2 + 2 * 2 * 3
