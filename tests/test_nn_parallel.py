@@ -78,12 +78,14 @@ def test_dp2_x_cp2_step_matches_one_process_contiguous_untied_mqa_uneven_shards(
     assert_same_step(args, dp_shard=2, cp=2, layout="contiguous", recompute="none")
 
 
-def test_heads_x_ring_2x2_step_matches_one_process_zigzag_gqa_kv_heads_fewer_than_the_head_group():
-    # cp = 4 ranks: a ring of 2 over head groups of 2; one kv head (MQA) for 4 query heads, so both
-    # members of a head group get a copy of it and its gradients are summed back.
+@pytest.mark.parametrize("cp", [4, 2], ids=["2x2", "2x1"])
+def test_heads_x_ring_step_matches_one_process_zigzag_mqa(cp):
+    # cp ranks: a ring of cp / 2 over head groups of 2 (2 x 1: no ring, one call per rank); one kv
+    # head (MQA) for 4 query heads, so both members of a head group get a copy of it and its
+    # gradients are summed back.
     args = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=1, ffn_dim=48, rope_theta=10000.0,
                      tie_embeddings=True)
-    assert_same_step(args, dp_shard=1, cp=4, layout="zigzag", recompute="selective", cp_heads=2)
+    assert_same_step(args, dp_shard=1, cp=cp, layout="zigzag", recompute="selective", cp_heads=2)
 
 
 @pytest.mark.parametrize("field,value,message", [

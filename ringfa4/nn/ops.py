@@ -147,7 +147,7 @@ def heads_ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_
     qh = heads.to_heads(q, head_world, 1, exchange)
     kh, vh = (heads.to_heads(t, head_world, copies, exchange) for t in (k, v))
     if world == 1:
-        (out_h, lse_h), kv_last = module.forward(qh, kh, vh, causal, softmax_scale), (kh.new_empty(0),) * 2
+        (out_h, lse_h), kv_last = module.forward(qh, kh, vh, causal, softmax_scale), (kh.new_empty(0), kh.new_empty(0))
     else:
         out_h, lse_h, kv_last = ring_forward(module, qh, kh, vh, causal, softmax_scale, Ring(group, q.device), layout)
     return (heads.to_seq(out_h, head_world, 1, exchange), qh, kh, vh, out_h, lse_h, *kv_last)

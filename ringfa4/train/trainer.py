@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ringfa4.nn import Transformer, build_mesh, parallelize, shard_sequence
-from ringfa4.nn.parallel import CP, DP_SHARD
+from ringfa4.nn.parallel import CP, DP_SHARD, head_group
 from ringfa4.train import checkpoint, config, data, launch, metrics
 
 
@@ -69,7 +69,7 @@ def build(job, device):
     settings = config.resolve(job, dist.get_world_size(), device.type)
     backend = config.check_backend(settings, device)
     sampler = data.build_sampler(job.data, job.train.seq_len, settings.model.vocab_size, job.train.seed)
-    mesh = build_mesh(device.type, settings.dp_shard, settings.cp)
+    mesh = build_mesh(device.type, settings.dp_shard, settings.cp, settings.cp_heads)
     with torch.device("meta"):
         model = Transformer(settings.model)
     parallelize(model, mesh, layout=settings.layout, backend=backend, param_dtype=settings.param_dtype,
@@ -92,7 +92,7 @@ def make_batch(run, position):
     samples = local_samples(run, position)
     positions = torch.arange(samples.shape[1] - 1).unsqueeze(0)
     batch = shard_sequence((samples[:, :-1], samples[:, 1:], positions), run.mesh[CP].get_group(),
-                           run.settings.layout)
+                           run.settings.layout, head_group=head_group(run.mesh))
     return tuple(t.to(run.device) for t in batch)
 
 
@@ -192,7 +192,8 @@ def save(run, step, position):
 
 def describe(run, start):
     settings, train = run.settings, run.job.train
-    say(f"{dist.get_world_size()} rank(s) on {run.device.type}, dp_shard={settings.dp_shard} x cp={settings.cp} "
+    heads = f" (ring {settings.cp // settings.cp_heads} x cp_heads {settings.cp_heads})" if settings.cp_heads > 1 else ""
+    say(f"{dist.get_world_size()} rank(s) on {run.device.type}, dp_shard={settings.dp_shard} x cp={settings.cp}{heads} "
         f"({settings.layout}, backend {run.backend}), model {run.job.model.name} with "
         f"{sum(p.numel() for p in run.model.parameters()) / 1e6:.1f}M parameters, "
         f"seq_len={train.seq_len}, global batch {train.global_batch} x {train.seq_len} tokens"
