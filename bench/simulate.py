@@ -18,11 +18,15 @@ group is a device copy here, not an NVLink transfer: the planner adds link times
 Overhead rows (--overhead): a ring of --overhead-world ranks at short local lengths; per step,
 (rank call - sum of its kernels alone) / (2 W), the kernels timed back to back on the step's own
 shapes; eager, and with the rank's whole call captured in a CUDA graph and replayed (no host work
-per step: what is left is the GPU's own cost of the step's extra passes and launches).
+per step: what is left is the GPU's own cost of the step's extra passes and launches); and the
+host's own time per step (the call until Python returns): where it exceeds the kernels' time the
+ring is launch-bound, which a graph removes and nothing on the device can.
 """
 import itertools
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -171,6 +175,19 @@ def _kernels_ms(rank, timer):
     return total
 
 
+def _host_ms(rank, device, calls=5):
+    """Host time of the rank's call: from its start until Python returns (the device not awaited),
+    the median of ``calls``. Above the device's time per call the ring is launch-bound."""
+    times = []
+    for _ in range(calls):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        rank()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
 def _graphed(rank):
     """The rank's call captured in a CUDA graph (after warm-up): replay, or the capture's error."""
     rank()
@@ -193,12 +210,13 @@ def overhead_rows(args, module, device, dtype, rows):
         rank = _rank(module, local * world, h, hk, d, args.causal, dtype, device, 1, world, 0)
         kernels = _kernels_ms(rank, timer)
         eager = timer(rank)[0]
+        host = _host_ms(rank, device)
         replay, error = _graphed(rank) if device.type == "cuda" else (None, "CPU: no CUDA graph")
         graphed = timer(replay)[0] if replay else None
         per_step = lambda ms: None if ms is None else (ms - kernels) / (2 * world) * 1e3  # noqa: E731
         rows.add(dict(measure.metadata(device, args.commit), kind="overhead", backend=module.__name__, world=world,
                       local=local, heads=h, kv_heads=hk, head_dim=d, causal=args.causal, kernels_ms=kernels,
-                      eager_ms=eager, graph_ms=graphed, graph_error=error,
+                      eager_ms=eager, graph_ms=graphed, graph_error=error, host_us_per_step=host / (2 * world) * 1e3,
                       eager_overhead_us_per_step=per_step(eager), graph_overhead_us_per_step=per_step(graphed)))
 
 

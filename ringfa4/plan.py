@@ -511,10 +511,25 @@ def refit(base, paths):
                 f"intercept of a Theil-Sen line through {n} step compute spans of bench/ring.py against this "
                 f"model's kernel + memory time; its slopes {slope[0]:.3f} / {slope[1]:.3f} (that run's kernels "
                 f"vs the kernel rows) scale the kernel times of the ring and the 1-GPU call"))
+    for backend in ("fa4", "cute"):
+        measured = [r for r in rows if r.get("kind") == "overhead" and _backend_name(r["backend"]) == backend
+                    and r.get("eager_overhead_us_per_step") is not None]
+        if measured:
+            us = statistics.median(r["eager_overhead_us_per_step"] for r in measured)
+            locals_ = ", ".join(str(r["local"]) for r in measured)
+            cal["step_overhead"][backend] = dict(ms=[us / 1e3, us / 1e3], kernel_scale=[1.0, 1.0], source=(
+                f"bench/simulate.py --overhead: one rank's ring call minus its steps' kernels timed alone, per "
+                f"step, median over local lengths {locals_} at W={measured[0]['world']}"))
     checks = [_check_row(r) for r in rows if r.get("efficiency") and ("ringfa4_ms" in r or r.get("kind") == "efficiency")]
     if checks:
-        cal["checks"] = checks
+        kept = [c for c in cal.get("checks", []) if c not in checks]
+        cal["checks"] = kept + checks
     return cal
+
+
+def _backend_name(name):
+    """bench rows name a backend ("cute") or its module ("ringfa4.backends.cute")."""
+    return name.rsplit(".", 1)[-1]
 
 
 CHECK_FIELDS = ("backend", "seq", "heads", "kv_heads", "head_dim", "causal", "dtype", "world", "efficiency",
@@ -524,8 +539,7 @@ CHECK_FIELDS = ("backend", "seq", "heads", "kv_heads", "head_dim", "causal", "dt
 def _check_row(r):
     row = {k: r[k] for k in CHECK_FIELDS if k in r}
     if r.get("kind") == "efficiency":  # bench/simulate.py: the backend is a module name
-        row.update(kind="simulated", backend="cute" if r["backend"].endswith("cute") else r["backend"].split(".")[-1],
-                   dtype=r.get("dtype", "bfloat16"))
+        row.update(kind="simulated", backend=_backend_name(r["backend"]))
     else:
         row["kind"] = "ring"
     return row

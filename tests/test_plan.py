@@ -234,3 +234,19 @@ def test_bad_arguments_are_named_in_the_error(argv, needle, capsys):
     with pytest.raises(SystemExit):
         plan.main(argv)
     assert needle in capsys.readouterr().err
+
+
+def test_refit_takes_the_simulators_per_step_overhead_and_keeps_earlier_checks(tmp_path):
+    rows = [dict(device="NVIDIA H200", kind="overhead", backend="ringfa4.backends.cute", world=8, local=local,
+                 eager_overhead_us_per_step=us) for local, us in ((512, 40.0), (1024, 30.0), (2048, 20.0))]
+    rows.append(dict(device="NVIDIA H200", kind="efficiency", backend="ringfa4.backends.cute", seq=1 << 17, heads=32,
+                     kv_heads=8, head_dim=128, causal=True, dtype="bfloat16", world=8, head_world=2, ring_world=4,
+                     rank_ms={"0": 40.0}, efficiency=0.9))
+    (tmp_path / "simulate.json").write_text(json.dumps(rows))
+    base = _base()
+    cal = plan.refit(base, [tmp_path / "simulate.json"])
+    assert cal["step_overhead"]["cute"]["ms"] == pytest.approx([0.03, 0.03])
+    assert "bench/simulate.py --overhead" in cal["step_overhead"]["cute"]["source"]
+    assert cal["step_overhead"]["fa4"] == base["step_overhead"]["fa4"]
+    simulated = [c for c in cal["checks"] if c["kind"] == "simulated"]
+    assert simulated and simulated[0]["backend"] == "cute" and len(cal["checks"]) == len(base["checks"]) + 1
