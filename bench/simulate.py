@@ -132,8 +132,7 @@ def efficiency_rows(args, module, device, dtype, rows):
                 used = nearest_length(seq, ring_world, "zigzag", u, align=ALIGN)
                 t1 = t1_base * (used / base) ** 2
                 per_rank = {}
-                for name in args.ranks.split(","):
-                    r = which[name](ring_world)
+                for r in sorted({which[name](ring_world) for name in args.ranks.split(",")}):
                     rank = _rank(module, used, h, hk, d, args.causal, dtype, device, u, ring_world, r)
                     per_rank[r] = (timer(rank)[0], _step_spans(rank))
                     del rank
