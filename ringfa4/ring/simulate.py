@@ -11,9 +11,9 @@ run their packing and unpacking with the exchange itself a copy on the side stre
 compute stream waits for (an all-to-all is not hidden behind compute).
 
 On CPU the copies are plain copies: an exact test of any rank of any W without processes.
-On a GPU it times the rank: per-step compute spans (ringfa4.ring.timeline) and the whole call;
-with --graph the rank's call is captured once in a CUDA graph and replayed, which shows what the
-ring's per-step host work (launches, Python) costs: the difference between the two.
+On a GPU bench/simulate.py times the rank: per-step compute spans (ringfa4.ring.timeline) and the
+whole call, and (--overhead) the call captured once in a CUDA graph and replayed, which shows
+what the ring's per-step host work (launches, Python) costs: the difference between the two.
 """
 import torch
 
