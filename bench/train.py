@@ -50,7 +50,7 @@ def job_config(opts, world):
     """The trainer's JobConfig for this bench: the named model preset, synthetic tokens, one
     sequence per step over a ring of all ranks, a constant learning rate."""
     return config.compose(
-        f"model={opts.model}", *([f"model.n_layers={opts.n_layers}"] if opts.n_layers else []),
+        f"model={opts.model}", *([f"model.n_layers={opts.n_layers}"] if opts.n_layers is not None else []),
         "data=synthetic", f"parallel.cp={world}", "parallel.dp_shard=1",
         f"parallel.backend={opts.backend}", f"train.seq_len={opts.seq_len}", "train.global_batch=1",
         f"train.steps={opts.steps}", "train.lr=1e-4", "train.min_lr=1e-4", "train.warmup_steps=0",
