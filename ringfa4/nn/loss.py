@@ -22,13 +22,14 @@ def _chunk_losses(x, weight, labels, chunk, grads):
     dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if grads else None
     for start in range(0, x.shape[0], chunk):
         rows = slice(start, start + chunk)
-        logits = F.linear(x[rows], weight).to(acc)
-        lse = torch.logsumexp(logits, dim=-1)
+        # log_softmax in the loss dtype, as cross_entropy computes it; the chunk's one
+        # vocabulary-wide buffer, which its gradient then overwrites.
+        logp = torch.log_softmax(F.linear(x[rows], weight), dim=-1, dtype=acc)
         target = labels[rows].unsqueeze(-1)
-        total += (lse - logits.gather(-1, target).squeeze(-1)).sum()
+        total -= logp.gather(-1, target).sum()
         if grads:
             # d(-log softmax[label]) / d logits = softmax - one_hot(label), formed in place.
-            probs = logits.sub_(lse.unsqueeze(-1)).exp_()
+            probs = logp.exp_()
             probs.scatter_add_(-1, target, probs.new_full(target.shape, -1.0))
             dlogits = probs.to(x.dtype)
             torch.mm(dlogits, weight, out=dx[rows])
