@@ -99,6 +99,18 @@ def _doc_rows(cu_seqlens, q, seq_len):
     return None if documents.is_dense(rows) else rows
 
 
+def _ring_documents(cu_seqlens, q, layout, group, seq_len):
+    """(layout, per-row boundaries or None, RingDocuments or None) of a ring call: one document
+    per row is the plain ring, and document_zigzag then is zigzag (its pieces are zigzag's chunks)."""
+    if layout == documents.DOCUMENT_ZIGZAG and cu_seqlens is None:
+        raise ValueError(f"layout {layout!r} follows the documents: it needs cu_seqlens")
+    rows = _doc_rows(cu_seqlens, q, seq_len)
+    if rows is None:
+        return ("zigzag" if layout == documents.DOCUMENT_ZIGZAG else layout), None, None
+    rank, world = ring_layout.group_rank_world(group)
+    return layout, rows, RingDocuments(rows, rank, world, layout, seq_len, q.device)
+
+
 def attention(q, k, v, causal=False, softmax_scale=None, backend="auto", cu_seqlens=None):
     """Attention on one device: returns (out, lse).
 
@@ -148,17 +160,8 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, head_g
         name=f"global sequence length (q.shape[1] = {q.shape[1]} x {head_world * world} ranks)",
     )
     scale = _softmax_scale(softmax_scale, q.shape[-1])
-    seq_len = q.shape[1] * head_world * world
-    if layout == documents.DOCUMENT_ZIGZAG and cu_seqlens is None:
-        raise ValueError(f"layout {layout!r} follows the documents: it needs cu_seqlens")
-    rows = _doc_rows(cu_seqlens, q, seq_len)
-    if rows is None and layout == documents.DOCUMENT_ZIGZAG:
-        layout = "zigzag"  # one document per row: its pieces are zigzag's chunks
-    docs = doc_ids = None
-    if rows is not None:
-        ring_rank = ring_layout.group_rank_world(group)[0]
-        docs = RingDocuments(rows, ring_rank, world, layout, seq_len, q.device)
-        doc_ids = docs.local
+    layout, rows, docs = _ring_documents(cu_seqlens, q, layout, group, q.shape[1] * head_world * world)
+    doc_ids = None if docs is None else docs.local
     module = _choose_backend(backend, q, k, v, causal, doc_ids)
     if world * head_world > 1:
         agree.check(q, k, causal, layout, scale, deterministic, group, head_group,

@@ -15,6 +15,9 @@ class ContextParallelAttention(nn.Module):
     ring group may then have one rank). Without a group, or with a one-rank group, it is plain single-device
     attention: unlike the public API, None here never means the default process group, because
     under data parallelism that group holds different samples, not parts of one sequence.
+
+    ``cu_seqlens`` (forward): packed documents of the full sequences, as ringfa4.ring_attention
+    takes them (ringfa4.documents), the same on every rank of the group.
     """
 
     def __init__(self, causal=True, group=None, layout="zigzag", backend="auto", head_group=None):
@@ -25,16 +28,17 @@ class ContextParallelAttention(nn.Module):
         self.layout = layout
         self.backend = backend
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, cu_seqlens=None):
         # Through the custom operators (ringfa4.nn.ops): one opaque call for torch.compile and for
         # selective activation checkpointing, which keeps its outputs.
         scale = q.shape[-1] ** -0.5
         if self.head_group is not None and dist.get_world_size(self.head_group) > 1:
             return ops.heads_ring_attention(q, k, v, self.causal, scale, self.group.group_name,
-                                            self.head_group.group_name, self.layout, self.backend)[0]
+                                            self.head_group.group_name, self.layout, self.backend, cu_seqlens)[0]
         if self.group is None or dist.get_world_size(self.group) == 1:
-            return ops.attention(q, k, v, self.causal, scale, self.backend)[0]
-        return ops.ring_attention(q, k, v, self.causal, scale, self.group.group_name, self.layout, self.backend)[0]
+            return ops.attention(q, k, v, self.causal, scale, self.backend, cu_seqlens)[0]
+        return ops.ring_attention(q, k, v, self.causal, scale, self.group.group_name, self.layout, self.backend,
+                                  cu_seqlens)[0]
 
     def extra_repr(self):
         cp = 1 if self.group is None else dist.get_world_size(self.group)

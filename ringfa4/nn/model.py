@@ -99,12 +99,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.core = ContextParallelAttention(causal=True)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, cu_seqlens=None):
         b, s, _ = x.shape
         q = apply_rope(self.wq(x).view(b, s, self.n_heads, self.head_dim), cos, sin)
         k = apply_rope(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim), cos, sin)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
-        return self.wo(self.core(q, k, v).reshape(b, s, -1))
+        # Without documents the core is called as any attention module (q, k, v).
+        out = self.core(q, k, v) if cu_seqlens is None else self.core(q, k, v, cu_seqlens)
+        return self.wo(out.reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):
@@ -150,22 +152,24 @@ class Block(nn.Module):
         #   full       everything from the block input, the attention's ring included.
         self.activation_checkpointing = "none"
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, cu_seqlens=None):
         if self.activation_checkpointing == "none" or not torch.is_grad_enabled():
-            return self._forward(x, cos, sin)
+            return self._forward(x, cos, sin, cu_seqlens)
         context_fn = noop_context_fn
         if self.activation_checkpointing == "selective":
             context_fn = partial(create_selective_checkpoint_contexts, _save_attention_only)
-        return checkpoint(self._forward, x, cos, sin, use_reentrant=False, context_fn=context_fn)
+        return checkpoint(self._forward, x, cos, sin, cu_seqlens, use_reentrant=False, context_fn=context_fn)
 
-    def _forward(self, x, cos, sin):
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def _forward(self, x, cos, sin, cu_seqlens):
+        h = x + self.attention(self.attention_norm(x), cos, sin, cu_seqlens)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
     """tokens (b, s) and their global positions (b, s) or (s,) -> logits (b, s, vocab), or with
     labels (b, s) the sum of their next-token losses (in fp32, or fp64 for an fp64 model).
+    ``cu_seqlens``: packed documents of the full sequences (ringfa4.documents): attention stays
+    inside each document; RoPE takes whatever ``positions`` say.
 
     The loss is computed ``loss_chunk`` tokens at a time (ringfa4.nn.loss): at long context the
     full logits (tokens x vocab, in fp32 for the softmax) would outweigh every other activation.
@@ -181,11 +185,11 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
 
-    def forward(self, tokens, positions, labels=None):
+    def forward(self, tokens, positions, labels=None, cu_seqlens=None):
         cos, sin = rope_angles(positions, self.args.head_dim, self.args.rope_theta)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, cu_seqlens)
         h = self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         if labels is None:

@@ -9,11 +9,14 @@ on, and is looked up inside the operator.
 Each operator's backward is another operator that takes what the forward saved: out and lse, and
 for the ring the KV block the forward ended with, where the backward ring starts.
 """
+from typing import Optional
+
 import torch
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ringfa4.api import _check_qkv, _choose_backend
+from ringfa4.api import _check_qkv, _choose_backend, _doc_rows, _ring_documents
+from ringfa4.documents import call_kwargs, checksum, local_ids
 from ringfa4.ring import agree, heads
 from ringfa4.ring import layout as ring_layout
 from ringfa4.ring.attention import ring_backward, ring_forward
@@ -30,45 +33,56 @@ def _contiguous(tensors):
     return tuple(t.contiguous() for t in tensors)
 
 
-def _backend_for(name, q, k, v, causal):
+def _backend_for(name, q, k, v, causal, doc_ids=None):
     _check_qkv(q, k, v, causal)
-    return _choose_backend(name, q, k, v, causal)
+    return _choose_backend(name, q, k, v, causal, doc_ids)
+
+
+def _local_documents(cu_seqlens, q):
+    """doc_ids of a one-device call with packed documents ``cu_seqlens`` (None: none, or one per row)."""
+    rows = _doc_rows(cu_seqlens, q, q.shape[1])
+    return None if rows is None else local_ids(rows, q.shape[1], q.device)
 
 
 @torch.library.custom_op("ringfa4::attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float,
-              backend: str) -> tuple[Tensor, Tensor]:
+              backend: str, cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out, lse) of attention on one device; see ringfa4.attention."""
-    return _contiguous(_backend_for(backend, q, k, v, causal).forward(q, k, v, causal, softmax_scale))
+    doc_ids = _local_documents(cu_seqlens, q)
+    module = _backend_for(backend, q, k, v, causal, doc_ids)
+    return _contiguous(module.forward(q, k, v, causal, softmax_scale, **call_kwargs(doc_ids)))
 
 
 @attention.register_fake
-def _(q, k, v, causal, softmax_scale, backend):
+def _(q, k, v, causal, softmax_scale, backend, cu_seqlens=None):
     b, s, h, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, h, s), dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op("ringfa4::attention_backward", mutates_args=())
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-                       softmax_scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    module = _backend_for(backend, q, k, v, causal)
-    return _contiguous(module.backward(dout.contiguous(), q, k, v, out, lse, causal, softmax_scale))
+                       softmax_scale: float, backend: str,
+                       cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    doc_ids = _local_documents(cu_seqlens, q)
+    module = _backend_for(backend, q, k, v, causal, doc_ids)
+    return _contiguous(module.backward(dout.contiguous(), q, k, v, out, lse, causal, softmax_scale,
+                                       **call_kwargs(doc_ids)))
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, causal, softmax_scale, backend):
+def _(dout, q, k, v, out, lse, causal, softmax_scale, backend, cu_seqlens=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, backend = inputs
+    q, k, v, causal, softmax_scale, backend, cu_seqlens = inputs
     ctx.save_for_backward(q, k, v, *output)
-    ctx.args = (causal, softmax_scale, backend)
+    ctx.args = (causal, softmax_scale, backend, cu_seqlens)
     ctx.mark_non_differentiable(output[1])
 
 
 def _attention_grad(ctx, dout, _dlse):
-    return attention_backward(dout, *ctx.saved_tensors, *ctx.args) + (None,) * 3
+    return attention_backward(dout, *ctx.saved_tensors, *ctx.args) + (None,) * 4
 
 
 attention.register_autograd(_attention_grad, setup_context=_attention_setup)
@@ -76,24 +90,28 @@ attention.register_autograd(_attention_grad, setup_context=_attention_setup)
 
 @torch.library.custom_op("ringfa4::ring_attention", mutates_args=())
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float, group_name: str,
-                   layout: str, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                   layout: str, backend: str,
+                   cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out, lse, k_last, v_last) of ring attention over the process group ``group_name``; see
     ringfa4.ring_attention. k_last, v_last are the KV block the forward ended with."""
     group = _resolve_process_group(group_name)
     world = ring_layout.group_rank_world(group)[1]
-    module = _backend_for(backend, q, k, v, causal)
     ring_layout.check_layout(layout)
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"ring attention needs q and k/v of the same local length, got {q.shape[1]} and {k.shape[1]}")
     ring_layout.check_divisible(q.shape[1] * world, world, layout,
                                 name=f"global sequence length (q.shape[1] = {q.shape[1]} x {world} ranks)")
-    agree.check(q, k, causal, layout, softmax_scale, False, group, None)
-    out, lse, (k_last, v_last) = ring_forward(module, q, k, v, causal, softmax_scale, Ring(group, q.device), layout)
+    layout, rows, docs = _ring_documents(cu_seqlens, q, layout, group, q.shape[1] * world)
+    module = _backend_for(backend, q, k, v, causal, None if docs is None else docs.local)
+    agree.check(q, k, causal, layout, softmax_scale, False, group, None,
+                documents=None if rows is None else checksum(rows))
+    out, lse, (k_last, v_last) = ring_forward(module, q, k, v, causal, softmax_scale, Ring(group, q.device), layout,
+                                              docs)
     return _contiguous((out, lse, k_last, v_last))
 
 
 @ring_attention.register_fake
-def _(q, k, v, causal, softmax_scale, group_name, layout, backend):
+def _(q, k, v, causal, softmax_scale, group_name, layout, backend, cu_seqlens=None):
     b, s, h, _ = q.shape
     return (torch.empty_like(q), q.new_empty((b, h, s), dtype=_lse_dtype(q)),
             torch.empty_like(k), torch.empty_like(v))
@@ -102,27 +120,30 @@ def _(q, k, v, causal, softmax_scale, group_name, layout, backend):
 @torch.library.custom_op("ringfa4::ring_attention_backward", mutates_args=())
 def ring_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                             k_last: Tensor, v_last: Tensor, causal: bool, softmax_scale: float, group_name: str,
-                            layout: str, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                            layout: str, backend: str,
+                            cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     group = _resolve_process_group(group_name)
-    module = _backend_for(backend, q, k, v, causal)
+    world = ring_layout.group_rank_world(group)[1]
+    layout, _, docs = _ring_documents(cu_seqlens, q, layout, group, q.shape[1] * world)
+    module = _backend_for(backend, q, k, v, causal, None if docs is None else docs.local)
     return _contiguous(ring_backward(module, dout.contiguous(), q, k, v, out, lse, [k_last, v_last], causal,
-                                     softmax_scale, Ring(group, q.device, reverse=True), layout, False))
+                                     softmax_scale, Ring(group, q.device, reverse=True), layout, False, docs))
 
 
 @ring_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, k_last, v_last, causal, softmax_scale, group_name, layout, backend):
+def _(dout, q, k, v, out, lse, k_last, v_last, causal, softmax_scale, group_name, layout, backend, cu_seqlens=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _ring_setup(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, group_name, layout, backend = inputs
+    q, k, v, causal, softmax_scale, group_name, layout, backend, cu_seqlens = inputs
     ctx.save_for_backward(q, k, v, *output)
-    ctx.args = (causal, softmax_scale, group_name, layout, backend)
+    ctx.args = (causal, softmax_scale, group_name, layout, backend, cu_seqlens)
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _ring_grad(ctx, dout, _dlse, _dk_last, _dv_last):
-    return ring_attention_backward(dout, *ctx.saved_tensors, *ctx.args) + (None,) * 5
+    return ring_attention_backward(dout, *ctx.saved_tensors, *ctx.args) + (None,) * 6
 
 
 ring_attention.register_autograd(_ring_grad, setup_context=_ring_setup)
@@ -130,31 +151,37 @@ ring_attention.register_autograd(_ring_grad, setup_context=_ring_setup)
 
 @torch.library.custom_op("ringfa4::heads_ring_attention", mutates_args=())
 def heads_ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float, group_name: str,
-                         head_group_name: str, layout: str, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor,
-                                                                                  Tensor, Tensor, Tensor, Tensor]:
+                         head_group_name: str, layout: str, backend: str,
+                         cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor,
+                                                                       Tensor, Tensor, Tensor, Tensor]:
     """Heads x ring (ringfa4.ring.heads): all-to-all over ``head_group_name`` to this rank's heads,
     the ring over ``group_name`` (one call when it has one rank), all-to-all back. Returns out and
     what the backward needs, in the heads layout: q, k, v, out, lse, and the KV block the ring
     ended with (empty for a one-rank ring)."""
     group, head = _resolve_process_group(group_name), _resolve_process_group(head_group_name)
     world, head_world = ring_layout.group_rank_world(group)[1], ring_layout.group_rank_world(head)[1]
-    module = _backend_for(backend, q, k, v, causal)
     heads.check_split(q.shape[2], k.shape[2], head_world)
     ring_layout.check_divisible(q.shape[1] * head_world * world, world, layout, head_world=head_world,
                                 name=f"global sequence length (q.shape[1] = {q.shape[1]} x {head_world * world} ranks)")
-    agree.check(q, k, causal, layout, softmax_scale, False, group, head)
+    layout, rows, docs = _ring_documents(cu_seqlens, q, layout, group, q.shape[1] * head_world * world)
+    doc_ids = None if docs is None else docs.local
+    module = _backend_for(backend, q, k, v, causal, doc_ids)
+    agree.check(q, k, causal, layout, softmax_scale, False, group, head,
+                documents=None if rows is None else checksum(rows))
     exchange, copies = heads.exchange_over(head), heads.replicas(k.shape[2], head_world)
     qh = heads.to_heads(q, head_world, 1, exchange)
     kh, vh = (heads.to_heads(t, head_world, copies, exchange) for t in (k, v))
     if world == 1:
-        (out_h, lse_h), kv_last = module.forward(qh, kh, vh, causal, softmax_scale), (kh.new_empty(0), kh.new_empty(0))
+        (out_h, lse_h), kv_last = (module.forward(qh, kh, vh, causal, softmax_scale, **call_kwargs(doc_ids)),
+                                   (kh.new_empty(0), kh.new_empty(0)))
     else:
-        out_h, lse_h, kv_last = ring_forward(module, qh, kh, vh, causal, softmax_scale, Ring(group, q.device), layout)
+        out_h, lse_h, kv_last = ring_forward(module, qh, kh, vh, causal, softmax_scale, Ring(group, q.device), layout,
+                                             docs)
     return (heads.to_seq(out_h, head_world, 1, exchange), qh, kh, vh, out_h, lse_h, *kv_last)
 
 
 @heads_ring_attention.register_fake
-def _(q, k, v, causal, softmax_scale, group_name, head_group_name, layout, backend):
+def _(q, k, v, causal, softmax_scale, group_name, head_group_name, layout, backend, cu_seqlens=None):
     world = ring_layout.group_rank_world(_resolve_process_group(group_name))[1]
     head_world = ring_layout.group_rank_world(_resolve_process_group(head_group_name))[1]
     b, s, h, d = q.shape
@@ -169,17 +196,19 @@ def _(q, k, v, causal, softmax_scale, group_name, head_group_name, layout, backe
 def heads_ring_attention_backward(dout: Tensor, qh: Tensor, kh: Tensor, vh: Tensor, out_h: Tensor, lse_h: Tensor,
                                   k_last: Tensor, v_last: Tensor, causal: bool, softmax_scale: float, group_name: str,
                                   head_group_name: str, layout: str, backend: str,
-                                  kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+                                  kv_heads: int, cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     group, head = _resolve_process_group(group_name), _resolve_process_group(head_group_name)
     world, head_world = ring_layout.group_rank_world(group)[1], ring_layout.group_rank_world(head)[1]
-    module = _backend_for(backend, qh, kh, vh, causal)
+    layout, _, docs = _ring_documents(cu_seqlens, qh, layout, group, qh.shape[1] * world)
+    doc_ids = None if docs is None else docs.local
+    module = _backend_for(backend, qh, kh, vh, causal, doc_ids)
     exchange, copies = heads.exchange_over(head), heads.replicas(kv_heads, head_world)
     dout_h = heads.to_heads(dout.contiguous(), head_world, 1, exchange)
     if world == 1:
-        grads = module.backward(dout_h, qh, kh, vh, out_h, lse_h, causal, softmax_scale)
+        grads = module.backward(dout_h, qh, kh, vh, out_h, lse_h, causal, softmax_scale, **call_kwargs(doc_ids))
     else:
         grads = ring_backward(module, dout_h, qh, kh, vh, out_h, lse_h, [k_last, v_last], causal, softmax_scale,
-                              Ring(group, qh.device, reverse=True), layout, False)
+                              Ring(group, qh.device, reverse=True), layout, False, docs)
     dq, dk, dv = grads
     return (heads.to_seq(dq, head_world, 1, exchange), heads.to_seq(dk, head_world, copies, exchange),
             heads.to_seq(dv, head_world, copies, exchange))
@@ -187,7 +216,7 @@ def heads_ring_attention_backward(dout: Tensor, qh: Tensor, kh: Tensor, vh: Tens
 
 @heads_ring_attention_backward.register_fake
 def _(dout, qh, kh, vh, out_h, lse_h, k_last, v_last, causal, softmax_scale, group_name, head_group_name, layout,
-      backend, kv_heads):
+      backend, kv_heads, cu_seqlens=None):
     head_world = ring_layout.group_rank_world(_resolve_process_group(head_group_name))[1]
     b, total, _, d = kh.shape
     dk = kh.new_empty((b, total // head_world, kv_heads, d))
@@ -195,14 +224,14 @@ def _(dout, qh, kh, vh, out_h, lse_h, k_last, v_last, causal, softmax_scale, gro
 
 
 def _heads_ring_setup(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, group_name, head_group_name, layout, backend = inputs
+    q, k, v, causal, softmax_scale, group_name, head_group_name, layout, backend, cu_seqlens = inputs
     ctx.save_for_backward(*output[1:])
-    ctx.args = (causal, softmax_scale, group_name, head_group_name, layout, backend, k.shape[2])
+    ctx.args = (causal, softmax_scale, group_name, head_group_name, layout, backend, k.shape[2], cu_seqlens)
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _heads_ring_grad(ctx, dout, *_saved):
-    return heads_ring_attention_backward(dout, *ctx.saved_tensors, *ctx.args) + (None,) * 6
+    return heads_ring_attention_backward(dout, *ctx.saved_tensors, *ctx.args) + (None,) * 7
 
 
 heads_ring_attention.register_autograd(_heads_ring_grad, setup_context=_heads_ring_setup)

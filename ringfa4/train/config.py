@@ -22,10 +22,11 @@ from ringfa4.ring.heads import check_split
 from ringfa4.ring.layout import required_multiple
 from ringfa4.train import checkpoint, metrics
 
-LAYOUT_MULTIPLE = {"zigzag": 2, "contiguous": 1}
+LAYOUT_MULTIPLE = {"zigzag": 2, "contiguous": 1, "document_zigzag": 2}
 MIXED_PRECISION = {"bf16": torch.bfloat16, "fp32": None}
 DATA_KINDS = ("synthetic", "text", "tokens")
 DEVICES = ("auto", "cuda", "cpu")
+ROPE_POSITIONS = ("continue", "restart")
 # Without train.warmup_steps, warmup takes train.steps // this (15 of the default 150).
 DEFAULT_WARMUP_DIVISOR = 10
 
@@ -84,9 +85,28 @@ class DataConfig:
     """kind=tokens: the token file (nanoGPT's train.bin, Megatron's .bin without its .idx)"""
     dtype: str = "uint16"
     """kind=tokens: uint16, or uint32 for vocabularies over 65536 ids"""
+    eod_token: Optional[int] = None
+    """kind=tokens: the id that ends every document (it belongs to the document it ends); null:
+    the stream has no document boundaries"""
+    document_separator: str = "\n\n"
+    """kind=text: the text that ends every document (the shipped corpus separates its stories and
+    drills by a blank line); empty: no document boundaries"""
+    document_masking: Optional[bool] = None
+    """attention stays inside each document (packed documents, ringfa4.documents); null: on where
+    the data has document boundaries"""
+    rope_positions: str = "continue"
+    """RoPE positions: continue (positions in the packed sequence) or restart (from 0 in every document)"""
 
     def __post_init__(self):
         _one_of(self.kind, DATA_KINDS, "data.kind")
+        _one_of(self.rope_positions, ROPE_POSITIONS, "data.rope_positions")
+        if self.eod_token is not None and (self.kind != "tokens" or self.eod_token < 0):
+            raise ConfigError(f"data.eod_token must be a token id >= 0 of data=tokens, got {self.eod_token} "
+                              f"with data.kind={self.kind}")
+        if self.boundaries() is None and (self.document_masking or self.rope_positions == "restart"):
+            raise ConfigError(f"data.document_masking=true and data.rope_positions=restart need document "
+                              f"boundaries: data.eod_token for data=tokens, data.document_separator for data=text "
+                              f"(data.kind={self.kind} has none here)")
         if isinstance(self.paths, str):
             self.paths = [self.paths]
         if not isinstance(self.paths, list) or not all(isinstance(p, str) and p for p in self.paths):
@@ -94,6 +114,19 @@ class DataConfig:
         if self.kind == "tokens":
             if not self.path:
                 raise ConfigError("data=tokens needs data.path (the token file)")
+
+    def boundaries(self):
+        """The token ids that end a document (a tuple), or None when the data has no boundaries."""
+        if self.kind == "tokens" and self.eod_token is not None:
+            return (self.eod_token,)
+        if self.kind == "text" and self.document_separator:
+            return tuple(self.document_separator.encode())
+        return None
+
+    @property
+    def masking(self):
+        """Whether attention is masked to documents (data.document_masking, or its default)."""
+        return self.boundaries() is not None if self.document_masking is None else self.document_masking
 
 
 @dataclass
@@ -104,7 +137,8 @@ class ParallelConfig:
     dp_shard: int = 1
     """data-parallel ranks; parameters are sharded over dp_shard * cp; -1: the rest of the world"""
     layout: str = "zigzag"
-    """zigzag (causal load balance, train.seq_len % (2 * cp) == 0) or contiguous"""
+    """zigzag (causal load balance, train.seq_len % (2 * cp) == 0), contiguous, or document_zigzag
+    (zigzag inside every document: balanced with packed documents; needs document masking)"""
     backend: str = "auto"
     """attention kernels: auto, cute, fa4 or torch"""
     cp_heads: int = 1
@@ -279,6 +313,8 @@ def resolve(job, world_size, dev_type):
     """Settings for ``job`` on ``world_size`` ranks of ``dev_type``; raises ConfigError."""
     par, train = job.parallel, job.train
     cp, dp_shard = _mesh_sizes(par, world_size)
+    if par.layout == "document_zigzag" and not job.data.masking:
+        raise ConfigError("parallel.layout=document_zigzag follows the documents: it needs data.document_masking")
     _check_head_group(par.cp_heads, cp, job.model.args())
     multiple = required_multiple(cp // par.cp_heads, par.layout, par.cp_heads)
     if train.seq_len % multiple:

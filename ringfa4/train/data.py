@@ -106,6 +106,39 @@ class SyntheticSampler:
         return torch.randint(self.vocab_size, (self.seq_len + 1,), generator=gen)
 
 
+class DocumentBoundaries:
+    """Where documents start in the samples: right after each occurrence of ``end`` (a tuple of
+    token ids: data.eod_token, or the bytes of data.document_separator), inside the sample's inputs.
+    A sample's first token starts a document whatever precedes it: the window is all we attend over."""
+
+    def __init__(self, end):
+        self.end = torch.tensor(end, dtype=torch.int64)
+
+    def starts(self, inputs):
+        """(b, s) bool: True where a document starts (always at position 0)."""
+        b, s = inputs.shape
+        n = len(self.end)
+        ends = torch.ones(b, max(s - n + 1, 0), dtype=torch.bool)
+        for i in range(n):
+            ends &= inputs[:, i:s - n + 1 + i] == self.end[i]
+        starts = torch.zeros(b, s, dtype=torch.bool)
+        starts[:, n:] = ends[:, :s - n]
+        starts[:, 0] = True
+        return starts
+
+    def cu_seqlens(self, inputs):
+        """FlashAttention's varlen boundaries over the packed batch (b * s), int32 on the CPU."""
+        b, s = inputs.shape
+        flat = torch.nonzero(self.starts(inputs).flatten()).flatten()
+        return torch.cat([flat, torch.tensor([b * s])]).to(torch.int32)
+
+    def positions(self, inputs):
+        """(b, s) positions counted from each token's document start."""
+        starts = self.starts(inputs)
+        index = torch.arange(inputs.shape[1]).expand_as(inputs)
+        return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
 def build_sampler(data_cfg, seq_len, vocab_size, seed):
     """The sampler for ``data_cfg`` (a config.DataConfig); raises naming the setting on missing or
     empty files or a vocabulary the model cannot embed."""

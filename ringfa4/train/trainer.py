@@ -61,6 +61,8 @@ class Run:
     model: Transformer
     optimizer: torch.optim.Optimizer
     sampler: object
+    documents: object = None
+    """data.DocumentBoundaries of the data, or None when it has none"""
 
 
 def build(job, device):
@@ -76,7 +78,9 @@ def build(job, device):
                 activation_checkpointing=job.train.activation_checkpointing, compile=job.train.compile)
     model.to_empty(device=device)
     model.init_weights(job.train.seed)
-    return Run(job, settings, device, backend, mesh, model, build_optimizer(model, job.train), sampler)
+    ends = job.data.boundaries()
+    return Run(job, settings, device, backend, mesh, model, build_optimizer(model, job.train), sampler,
+               None if ends is None else data.DocumentBoundaries(ends))
 
 
 def local_samples(run, position):
@@ -87,28 +91,34 @@ def local_samples(run, position):
 
 
 def make_batch(run, position):
-    """This rank's tokens, labels and global positions for the global batch starting at sample
+    """This rank's tokens, labels, RoPE positions and the batch's cu_seqlens (None without document
+    masking; on the CPU, the whole local batch) for the global batch starting at sample
     ``position``: its data-parallel rows, sharded over the ring in the run's layout."""
     samples = local_samples(run, position)
-    positions = torch.arange(samples.shape[1] - 1).unsqueeze(0)
-    batch = shard_sequence((samples[:, :-1], samples[:, 1:], positions), run.mesh[CP].get_group(),
-                           run.settings.layout, head_group=head_group(run.mesh))
-    return tuple(t.to(run.device) for t in batch)
+    inputs, docs = samples[:, :-1], run.documents
+    positions = torch.arange(inputs.shape[1]).expand_as(inputs)
+    if docs is not None and run.job.data.rope_positions == "restart":
+        positions = docs.positions(inputs)
+    cu_seqlens = docs.cu_seqlens(inputs) if run.job.data.masking else None
+    batch = shard_sequence((inputs, samples[:, 1:], positions), run.mesh[CP].get_group(),
+                           run.settings.layout, head_group=head_group(run.mesh), cu_seqlens=cu_seqlens)
+    return (*(t.to(run.device) for t in batch), cu_seqlens)
 
 
-def loss_share(model, tokens, labels, positions, global_tokens):
+def loss_share(model, tokens, labels, positions, global_tokens, cu_seqlens=None):
     """This rank's share of the mean next-token loss over the global batch: its token-loss sum
     divided by the token count of the whole global batch. Shares add up to the loss over ranks,
-    and so do their gradients (FSDP sums them, see parallelize)."""
-    return model(tokens, positions, labels) / global_tokens
+    and so do their gradients (FSDP sums them, see parallelize). ``cu_seqlens``: packed documents."""
+    return model(tokens, positions, labels, cu_seqlens=cu_seqlens) / global_tokens
 
 
 def train_step(model, optimizer, batch, global_tokens, grad_clip, context=contextlib.nullcontext):
-    """One optimizer step on ``batch`` (tokens, labels, positions) under ``context`` (entered
+    """One optimizer step on ``batch`` (tokens, labels, positions[, cu_seqlens]) under ``context`` (entered
     around forward and backward); returns the global loss (all-reduced, on device) and the
     gradient norm before clipping (grad_clip None: no clipping)."""
     with context():
-        share = loss_share(model, *batch, global_tokens)
+        tokens, labels, positions, *cu_seqlens = batch
+        share = loss_share(model, tokens, labels, positions, global_tokens, *cu_seqlens)
         share.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf if grad_clip is None else grad_clip)
     optimizer.step()

@@ -1,0 +1,205 @@
+"""Packed documents (issue 14): attention over document mixes on one GPU, ringfa4 vs upstream FA4's
+varlen kernels, and the per-rank work of a ring with documents vs the dense causal ring.
+
+    python bench/documents.py                     # both parts, H100/H200, bf16, hdim 128
+    python bench/documents.py --part ring --worlds 2,4,8
+    python bench/documents.py --smoke             # CPU, torch backend, tiny shapes, no FA4
+
+Document mixes: ringfa4.ring.balance.document_mix (log-normal lengths, median 4096, fixed seed,
+packed to the total; "long" first places 3 documents of 64k+ tokens, clipped to the total).
+FLOPs count the (query, key) pairs the causal document mask leaves visible only: per document of
+n tokens n (n + 1) / 2 pairs, each 4 * heads * head_dim FLOPs forward (ringfa4.flops), 3.5x that
+for forward + backward.
+
+Attention rows (one GPU, causal): ringfa4.attention(cu_seqlens=) with --backend (auto picks cute
+once its kernels take documents, else fa4) vs flash_attn.cute.flash_attn_varlen_func on the same
+packed documents, out compared first; forward (no grad) and forward + backward (autograd). No
+cuDNN/SDPA column: SDPA takes documents only as a dense mask, which is not the same work.
+
+Ring rows: every rank of a W-rank ring simulated on this GPU (ringfa4.ring.simulate.SimulatedRing:
+the real ring_forward / ring_backward, transfers as device copies), fwd+bwd, for the dense causal
+ring (zigzag) and for the documents in zigzag and document_zigzag; the ring's time is its slowest
+rank's. TFLOP/s per GPU = visible-pair FLOPs / W / slowest rank time; ratio = that / the dense
+ring's (target >= 0.85), peak memory of the slowest rank's call against the dense one's, and the
+steps the documents skipped (ringfa4.ring.documents.counting).
+"""
+import inspect
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import ringfa4  # noqa: E402
+from ringfa4 import documents, flops  # noqa: E402
+from ringfa4.api import _choose_backend  # noqa: E402
+from ringfa4.ring import balance  # noqa: E402
+from ringfa4.ring import layout as ring_layout  # noqa: E402
+from ringfa4.ring.attention import ring_backward, ring_forward  # noqa: E402
+from ringfa4.ring.documents import RingDocuments, counting  # noqa: E402
+from ringfa4.ring.simulate import SimulatedRing  # noqa: E402
+
+import measure  # noqa: E402
+
+MIXES = {"log-normal": 0, "long": 3}
+
+
+def parse_args():
+    p = measure.parser(__doc__.split("\n\n")[0])
+    p.add_argument("--part", default="all", choices=("all", "attention", "ring"))
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--seqs", default="32768,131072")
+    p.add_argument("--ring-seq", type=int, default=131072)
+    p.add_argument("--worlds", default="2,4,8")
+    p.add_argument("--heads", default="32:8", help="heads:kv_heads")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--smoke", action="store_true")
+    args = p.parse_args()
+    measure.check_output_args(p, args, args.smoke)
+    if args.smoke:
+        args.seqs, args.ring_seq, args.worlds, args.heads, args.head_dim = "256", 256, "2", "4:2", 16
+        args.backend, args.rounds = "torch", 1
+    return args
+
+
+def visible_flops(row, heads, head_dim, direction):
+    """FLOPs of the causal document mask's visible pairs (see the module docstring)."""
+    pairs = sum((b - a) * (b - a + 1) // 2 for a, b in zip(row[:-1], row[1:]))
+    return flops.attention(1, 1, 1, heads, head_dim, causal=False, direction=direction) * pairs
+
+
+def inputs(seq, heads, kv_heads, head_dim, device, dtype, seed):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(1, seq, n, head_dim, device=device, dtype=dtype, generator=gen) for n in (heads, kv_heads,
+                                                                                                   kv_heads, heads)]
+
+
+def fa4_varlen(q, k, v, cu):
+    """Upstream FA4's public varlen function on the packed (total, heads, dim) rows: its out."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    lengths = (cu[1:] - cu[:-1]).max().item()
+    kwargs = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "causal": True}
+    if "max_seqlen_q" in inspect.signature(flash_attn_varlen_func).parameters:
+        kwargs.update(max_seqlen_q=lengths, max_seqlen_k=lengths)
+    out = flash_attn_varlen_func(q[0], k[0], v[0], **kwargs)
+    return (out[0] if isinstance(out, tuple) else out)[None]
+
+
+def attention_rows(args, device, dtype, rows):
+    heads, kv_heads = map(int, args.heads.split(":"))
+    for seq in map(int, args.seqs.split(",")):
+        for mix, long_docs in MIXES.items():
+            row = balance.document_mix(seq, args.seed, long_docs)
+            cu = torch.tensor(row, dtype=torch.int32, device=device)
+            q, k, v, dout = inputs(seq, heads, kv_heads, args.head_dim, device, dtype, args.seed)
+            ours = lambda *t: ringfa4.attention(*t, causal=True, backend=args.backend, cu_seqlens=cu)[0]  # noqa: E731
+            contenders = {"ringfa4": ours}
+            if not args.smoke:
+                contenders["fa4_varlen"] = lambda *t: fa4_varlen(*t, cu)
+                err = (ours(q, k, v).float() - contenders["fa4_varlen"](q, k, v).float()).abs().max().item()
+                assert err < 2e-2, f"ringfa4 and FA4 varlen differ by {err} at seq {seq} ({mix})"
+            backend = _name(_choose_backend(args.backend, q, k, v, True, documents.local_ids([row], seq, device)))
+            timer = measure.Timer(device, rounds=args.rounds, turn_ms=None if args.smoke else 100, reduce="min")
+            for direction in ("fwd", "fwd+bwd"):
+                fns = []
+                for fn in contenders.values():
+                    if direction == "fwd":
+                        fns.append(torch.no_grad()(lambda fn=fn: fn(q, k, v)))
+                    else:
+                        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                        fns.append(lambda fn=fn, leaves=leaves: torch.autograd.backward(fn(*leaves), dout))
+                times = timer(*fns)
+                work = visible_flops(row, heads, args.head_dim, direction)
+                rows.add(measure.metadata(device, args.commit, part="attention", seq=seq, mix=mix,
+                                          documents=len(row) - 1, heads=heads, kv_heads=kv_heads,
+                                          head_dim=args.head_dim, direction=direction, backend=backend,
+                                          visible_flops=work,
+                                          **{f"{name}_ms": ms for name, ms in zip(contenders, times)},
+                                          **{f"{name}_tflops": flops.tflops(work, ms)
+                                             for name, ms in zip(contenders, times)}))
+
+
+def rank_call(backend, full, rank, world, layout, row, device):
+    """fwd+bwd of ring rank ``rank`` on this device; ``row`` None: no documents (dense ring)."""
+    q, k, v, dout = full
+    blocks = [[_part(t, r, world, layout, row) for t in (k, v)] for r in range(world)]
+    q_local, dout_local = _part(q, rank, world, layout, row), _part(dout, rank, world, layout, row)
+    docs = None if row is None else RingDocuments([row], rank, world, layout, q.shape[1], device)
+    scale = q.shape[-1] ** -0.5
+
+    def call():
+        ring = SimulatedRing(rank, world, blocks, device)
+        out, lse, kv_last = ring_forward(backend, q_local, *blocks[rank], True, scale, ring, layout, docs)
+        ring_backward(backend, dout_local, q_local, *blocks[rank], out, lse, kv_last, True, scale, ring.turned(),
+                      layout, False, docs)
+    return call
+
+
+def _name(backend):
+    return backend.__name__.rsplit(".", 1)[-1]
+
+
+def _part(x, rank, world, layout, row):
+    if layout == documents.DOCUMENT_ZIGZAG:
+        return documents.part(x, [row], rank, world)
+    return ring_layout.part(x, rank, world, layout)
+
+
+def ring_rows(args, device, dtype, rows):
+    heads, kv_heads = map(int, args.heads.split(":"))
+    seq = args.ring_seq
+    full = inputs(seq, heads, kv_heads, args.head_dim, device, dtype, args.seed)
+    for world in map(int, args.worlds.split(",")):
+        dense_mem = dense_tflops = None
+        cases = [("dense", "zigzag", None)] + [(mix, layout, balance.document_mix(seq, args.seed, n))
+                                               for mix, n in MIXES.items() for layout in ("zigzag", "document_zigzag")]
+        for mix, layout, row in cases:
+            doc_ids = None if row is None else documents.local_ids([row], seq // world, device)
+            backend = _choose_backend(args.backend, full[0][:, :seq // world], full[1][:, :seq // world],
+                                      full[2][:, :seq // world], True, doc_ids)
+            timer = measure.Timer(device, rounds=args.rounds, reduce="median")
+            times, mems, skipped = [], [], {"fwd": 0, "bwd": 0}
+            for rank in range(world):
+                call = rank_call(backend, full, rank, world, layout, row, device)
+                with counting() as count:
+                    call()
+                skipped = {p: skipped[p] + count.skipped[p] for p in skipped}
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                    base = torch.cuda.memory_allocated(device)
+                (ms,) = timer(call)
+                times.append(ms)
+                mems.append(torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else 0)
+            work = (visible_flops(row, heads, args.head_dim, "fwd+bwd") if row is not None
+                    else flops.attention(1, seq, seq, heads, args.head_dim, causal=True, direction="fwd+bwd"))
+            slowest = max(times)
+            per_gpu = flops.tflops(work / world, slowest)
+            if row is None:
+                dense_mem, dense_tflops = max(mems), per_gpu
+            rows.add(measure.metadata(device, args.commit, part="ring", seq=seq, world=world, mix=mix, layout=layout,
+                                      documents=1 if row is None else len(row) - 1, heads=heads, kv_heads=kv_heads,
+                                      head_dim=args.head_dim, backend=_name(backend), rank_ms=times,
+                                      slowest_ms=slowest, tflops_per_gpu=per_gpu,
+                                      vs_dense=per_gpu / dense_tflops, peak_mem_bytes=max(mems),
+                                      mem_vs_dense=max(mems) / dense_mem if dense_mem else None,
+                                      skipped_steps=skipped))
+
+
+def main():
+    args = parse_args()
+    device = torch.device("cpu" if args.smoke else "cuda")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    out = measure.output_dir(args)
+    if args.part in ("all", "attention"):
+        attention_rows(args, device, dtype, measure.Rows(out / "documents_attention.json"))
+    if args.part in ("all", "ring"):
+        ring_rows(args, device, dtype, measure.Rows(out / "documents_ring.json"))
+
+
+if __name__ == "__main__":
+    main()
