@@ -207,6 +207,7 @@ def describe(run, start):
         f"({settings.layout}, backend {run.backend}), model {run.job.model.name} with "
         f"{sum(p.numel() for p in run.model.parameters()) / 1e6:.1f}M parameters, "
         f"seq_len={train.seq_len}, global batch {train.global_batch} x {train.seq_len} tokens"
+        + (f", documents masked (RoPE positions {run.job.data.rope_positions})" if run.job.data.masking else "")
         + (f", resumed at step {start}" if start else ""))
     if train.warmup_steps is None and train.warmup != config.TrainConfig().warmup:
         say(f"warmup scaled to {train.warmup} step(s), a tenth of train.steps={train.steps} "
