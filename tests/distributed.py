@@ -7,6 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ringfa4.train import launch
+
 
 def _worker(rank, world, init_file, fn, args):
     torch.set_num_threads(1)  # W processes share the two CI cores
@@ -17,6 +19,7 @@ def _worker(rank, world, init_file, fn, args):
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
+    launch.end_process()
 
 
 def run(fn, world, *args):

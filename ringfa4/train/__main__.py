@@ -52,6 +52,8 @@ def _app(cfg):
 
 def main():
     _app()
+    if launch.under_torchrun():  # this process is a rank: end it as spawned workers end (launch.end_process)
+        launch.end_process()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Where the ranks come from: torchrun's environment, or local worker processes started here;
 and the process group each rank joins."""
 import contextlib
+import logging
 import os
 import socket
+import sys
 import tempfile
 
 import torch
@@ -76,3 +78,20 @@ def _run_rank(rank, fn, world_size, port, args, tmp):
         raise
     if rank == 0:
         torch.save(result, os.path.join(tmp, "rank0.pt"))
+    end_process()
+
+
+def end_process(status=0):
+    """End a worker whose process group is destroyed, without interpreter finalization.
+
+    After destroy_process_group, PyTorch's DTensor caches still hold the DeviceMesh of an FSDP2
+    model, and with it the gloo process groups and their threads (in a cp=2 trainer worker: six
+    gloo worker and two transport threads still running after destroy_process_group and
+    gc.collect). They are torn down while the interpreter finalizes, where a native thread that
+    needs the GIL is ended by pthread_exit; unwinding through a noexcept destructor then aborts
+    the process ("terminate called without an active exception": SIGABRT after a finished run).
+    A finished worker has nothing left for finalization to do once its output is flushed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(status)
