@@ -180,6 +180,7 @@ class Transformer(nn.Module):
         args.check()
         self.args = args
         self.loss_chunk = loss_chunk
+        self.compile_loss = False  # set by parallelize(compile=True)
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
@@ -194,7 +195,7 @@ class Transformer(nn.Module):
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         if labels is None:
             return F.linear(h, weight)
-        return linear_cross_entropy(h, weight, labels, self.loss_chunk)
+        return linear_cross_entropy(h, weight, labels, self.loss_chunk, compiled=self.compile_loss)
 
     def attention_cores(self):
         return [layer.attention.core for layer in self.layers]

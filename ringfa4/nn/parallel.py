@@ -48,7 +48,8 @@ def parallelize(model, mesh, *, layout="zigzag", backend="auto", param_dtype=Non
     mixed precision, else in the parameters' dtype (fp64 stays fp64 for exact tests).
     ``activation_checkpointing`` is what each block recomputes in backward (see
     ringfa4.nn.model.Block): "none", "selective" (all but the attention) or "full".
-    ``compile`` puts each block through torch.compile; the attention inside stays one operator.
+    ``compile`` puts each block, and the loss's per-chunk softmax, through torch.compile; the
+    attention inside stays one operator.
 
     Order matters and follows torchtitan: the ring group goes into every attention core,
     activation checkpointing wraps each block, compile takes the block with its checkpointing,
@@ -69,6 +70,7 @@ def parallelize(model, mesh, *, layout="zigzag", backend="auto", param_dtype=Non
             # The block's forward (its checkpointing included), not its __call__: the FSDP hooks
             # that fully_shard adds around forward stay outside the graph, in eager.
             block.forward = torch.compile(block.forward, fullgraph=True)
+    model.compile_loss = compile
     # DeviceMesh._flatten is how torchtitan names the combined dimension; it reuses the mesh's
     # ranks in row-major order instead of building an unrelated world-sized mesh.
     shard_mesh = mesh[mesh.mesh_dim_names]._flatten(DP_SHARD_CP)
