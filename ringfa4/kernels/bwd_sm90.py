@@ -252,6 +252,8 @@ class AttentionBackwardSm90:
         # Every query head of this kv head's group (GQA) adds into the same dK, dV registers.
         group = tQ.shape[2] // tK.shape[2]
         num_steps = steps_per_head * group
+        # Each role below builds its own BwdStepScheduler, so the first head's multiply stays in
+        # the branch that uses it instead of on every warp's path.
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.load_regs)
@@ -392,10 +394,10 @@ class AttentionBackwardSm90:
              mma_dq: cute.TiledMma, tidx, softmax_scale, scale_log2,
              seqlen_k, n_block, steps: BwdStepScheduler, num_steps):
         """The main loop of the MMA warp groups; returns this thread's dK, dV accumulators.
-        The loop touches ops only through calls on self: the DSL carries any object whose
-        methods a loop body calls as loop state, compile-time shapes included.
         Per query tile: S^T, dP^T; P^T (mask, exp2); dS^T; dS to shared memory; dV += P^T dO;
-        dQ = dS K; dK += dS^T Q; the dQ part handed to the dQ warp."""
+        dQ = dS K; dK += dS^T Q; the dQ part handed to the dQ warp.
+        The loop touches ops only through calls on self: the DSL carries any object whose
+        methods a loop body calls as loop state, compile-time shapes included."""
         ops = self._mma_operands(sQ, sK, sV, sdO, sdS, sdQ, mma_sdp, mma_dkv, mma_dq, tidx)
 
         cute.arch.mbarrier_wait(mbar_kv, 0)
