@@ -10,7 +10,7 @@ from ringfa4 import backends, documents
 from ringfa4.ring import agree, heads
 from ringfa4.ring import layout as ring_layout
 from ringfa4.ring.attention import RingAttention
-from ringfa4.ring.documents import RingDocuments
+from ringfa4.ring.documents import ring_documents
 
 log = logging.getLogger("ringfa4")
 _logged_choices = set()
@@ -108,7 +108,7 @@ def _ring_documents(cu_seqlens, q, layout, group, seq_len):
     if rows is None:
         return ("zigzag" if layout == documents.DOCUMENT_ZIGZAG else layout), None, None
     rank, world = ring_layout.group_rank_world(group)
-    return layout, rows, RingDocuments(rows, rank, world, layout, seq_len, q.device)
+    return layout, rows, ring_documents(rows, rank, world, layout, seq_len, q.device)
 
 
 def attention(q, k, v, causal=False, softmax_scale=None, backend="auto", cu_seqlens=None):

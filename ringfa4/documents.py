@@ -99,13 +99,9 @@ def pieces(row, world):
     return out
 
 
-def positions(rows, rank, world, layout, seq_len):
-    """(b, L) int64: the global positions ring rank ``rank`` of ``world`` holds, in local order."""
-    from ringfa4.ring.layout import chunk_ids, num_chunks
-    if layout != DOCUMENT_ZIGZAG:
-        chunk = seq_len // num_chunks(world, layout)
-        local = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in chunk_ids(rank, world, layout)])
-        return local.expand(len(rows), -1)
+def zigzag_positions(rows, rank, world):
+    """document_zigzag: (b, L) int64, the global positions ring rank ``rank`` of ``world`` holds,
+    in local order (ringfa4.ring.documents.positions: any layout)."""
     held = (rank, 2 * world - 1 - rank)
     return torch.stack([torch.cat([torch.arange(a, b) for _, p, a, b in pieces(row, world) if p in held])
                         for row in rows])
@@ -126,7 +122,7 @@ def part(x, rows, rank, world, dim=1, head_rank=0, head_world=1):
     along ``dim``) that ring rank ``rank`` of ``world`` holds; with a head group, piece
     ``head_rank`` of ``head_world`` of it (as ringfa4.ring.layout.part)."""
     x = x.movedim(dim, 1)
-    local = torch.gather(x, 1, _gather_index(positions(rows, rank, world, DOCUMENT_ZIGZAG, x.shape[1]), x))
+    local = torch.gather(x, 1, _gather_index(zigzag_positions(rows, rank, world), x))
     if head_world > 1:
         local = local.chunk(head_world, dim=1)[head_rank]
     return local.movedim(1, dim)
@@ -138,7 +134,7 @@ def assemble(parts, rows, world, dim=1):
     seq_len = parts[0].shape[1] * world
     full = parts[0].new_zeros(parts[0].shape[0], seq_len, *parts[0].shape[2:])
     for rank, local in enumerate(parts):
-        full = full.scatter(1, _gather_index(positions(rows, rank, world, DOCUMENT_ZIGZAG, seq_len), local), local)
+        full = full.scatter(1, _gather_index(zigzag_positions(rows, rank, world), local), local)
     return full.movedim(1, dim)
 
 

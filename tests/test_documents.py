@@ -44,7 +44,7 @@ def test_document_zigzag_gives_every_rank_both_pieces_of_every_document_and_equa
         world = rng.choice([2, 3, 4, 8])
         seq = 2 * world * rng.randrange(1, 12)
         row = sorted({0, seq, *rng.sample(range(1, seq), min(seq - 1, rng.randrange(0, 9)))})
-        held = [documents.positions([row], r, world, "document_zigzag", seq)[0] for r in range(world)]
+        held = [documents.zigzag_positions([row], r, world)[0] for r in range(world)]
         assert all(len(h) == seq // world for h in held), (row, world)
         assert sorted(torch.cat(held).tolist()) == list(range(seq)), (row, world)
         for pieces in [documents.pieces(row, world)]:

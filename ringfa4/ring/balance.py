@@ -11,8 +11,8 @@ import math
 
 import numpy as np
 
-from ringfa4 import documents
 from ringfa4 import flops
+from ringfa4.ring.documents import positions
 
 MIX_MEDIAN, MIX_SIGMA, MIX_MIN = 4096, 1.0, 16
 LONG_MIN = 65536
@@ -43,7 +43,7 @@ def rank_flops(row, world, layout, causal=True, heads=1, head_dim=128):
     """Forward attention FLOPs of the visible pairs of each rank's queries (ringfa4.flops' count of
     one query against one key, times the pairs)."""
     per_pair = flops.attention(1, 1, 1, heads, head_dim, causal=False)
-    return [per_pair * visible_pairs(row, documents.positions([row], r, world, layout, row[-1])[0].numpy(), causal)
+    return [per_pair * visible_pairs(row, positions([row], r, world, layout, row[-1])[0].numpy(), causal)
             for r in range(world)]
 
 

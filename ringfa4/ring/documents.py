@@ -19,11 +19,14 @@ visible rows get id 2d, its invisible ones 2d+1 (keys after) or 2d-1 (queries be
 match nothing and keep the ids nondecreasing.
 """
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from ringfa4 import documents
+from ringfa4.ring.layout import chunk_ids, num_chunks
 
 
 @dataclass
@@ -60,6 +63,15 @@ def _count(phase, skipped, kv_bytes=0):
         _active.computed[phase] += 1
 
 
+def positions(rows, rank, world, layout, seq_len):
+    """(b, L) int64: the global positions ring rank ``rank`` of ``world`` holds, in local order."""
+    if layout == documents.DOCUMENT_ZIGZAG:
+        return documents.zigzag_positions(rows, rank, world)
+    chunk = seq_len // num_chunks(world, layout)
+    local = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in chunk_ids(rank, world, layout)])
+    return local.expand(len(rows), -1)
+
+
 class RingDocuments:
     """The documents of one ring call on ring rank ``rank`` of ``world`` (``rows``: per batch row
     the boundaries, see ringfa4.documents.row_boundaries). Ids live on the host, where the skip
@@ -67,7 +79,7 @@ class RingDocuments:
 
     def __init__(self, rows, rank, world, layout, seq_len, device):
         self.rank, self.world = rank, world
-        host = [documents.ids_at(rows, documents.positions(rows, r, world, layout, seq_len)) for r in range(world)]
+        host = [documents.ids_at(rows, positions(rows, r, world, layout, seq_len)) for r in range(world)]
         late = ([documents.late_rows(rows, r, world) for r in range(world)]
                 if layout == documents.DOCUMENT_ZIGZAG else None)
         self._host = (host, late)
@@ -102,3 +114,14 @@ class RingDocuments:
         _count(phase, False)
         q, k = self._ids(self._device, source, causal)
         return step, (q[:, step.q], k[:, step.kv])
+
+
+def ring_documents(rows, rank, world, layout, seq_len, device):
+    """The RingDocuments of a call, shared by calls with the same documents: a model's layers
+    (and their backward) all ask for the same one in a training step."""
+    return _cached(tuple(map(tuple, rows)), rank, world, layout, seq_len, device)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached(rows, rank, world, layout, seq_len, device):
+    return RingDocuments([list(row) for row in rows], rank, world, layout, seq_len, device)
