@@ -102,9 +102,12 @@ def attention_rows(args, device, dtype, rows):
                 contenders["fa4_varlen"] = lambda *t: fa4_varlen(*t, cu)
                 err = (ours(q, k, v).float() - contenders["fa4_varlen"](q, k, v).float()).abs().max().item()
                 assert err < 2e-2, f"ringfa4 and FA4 varlen differ by {err} at seq {seq} ({mix})"
-            backend = _name(_choose_backend(args.backend, q, k, v, True, documents.local_ids([row], seq, device)))
             timer = measure.Timer(device, rounds=args.rounds, turn_ms=None if args.smoke else 100, reduce="min")
             for direction in ("fwd", "fwd+bwd"):
+                # auto may pick another backend when gradients are needed (cute: forward only).
+                probe = q.detach().requires_grad_(direction != "fwd")
+                backend = _name(_choose_backend(args.backend, probe, k, v, True,
+                                                documents.local_ids([row], seq, device)))
                 fns = []
                 for fn in contenders.values():
                     if direction == "fwd":
@@ -159,8 +162,9 @@ def ring_rows(args, device, dtype, rows):
                                                for mix, n in MIXES.items() for layout in ("zigzag", "document_zigzag")]
         for mix, layout, row in cases:
             doc_ids = None if row is None else documents.local_ids([row], seq // world, device)
-            backend = _choose_backend(args.backend, full[0][:, :seq // world], full[1][:, :seq // world],
-                                      full[2][:, :seq // world], True, doc_ids)
+            # The ring runs forward and backward: the backend must take both (requires_grad probe).
+            backend = _choose_backend(args.backend, full[0][:, :seq // world].detach().requires_grad_(),
+                                      full[1][:, :seq // world], full[2][:, :seq // world], True, doc_ids)
             timer = measure.Timer(device, rounds=args.rounds, reduce="median")
             times, mems, skipped = [], [], {"fwd": 0, "bwd": 0}
             for rank in range(world):

@@ -1,9 +1,10 @@
 """The CuTe kernels compile for Hopper on a machine without a GPU, and the cute backend names
 what it cannot run (ringfa4.api raises it; tests/test_bad_input.py).
 
-The 40 shipped attention variants take ~3 min to compile on 2 cores (the 14 backward pre- and
+The 48 shipped attention variants take ~3 min to compile on 2 cores (the 14 backward pre- and
 postprocess variants a few seconds), so CI compiles a representative subset (SUBSET, ~1 min):
-every forward variant and one backward variant per (head_dim, causal) in bf16.
+every forward variant, with and without documents, and one backward variant per (head_dim,
+causal) in bf16.
 `python -m ringfa4.kernels --dump DIR` compiles them all."""
 import os
 import re
@@ -29,7 +30,8 @@ def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_shipped_variants(tmp_path):
     )
     assert run.returncode == 0, run.stdout + run.stderr
     chosen = [v for v in VARIANTS if re.search(SUBSET, v.name)]
-    assert sum(v.name.startswith("fwd_") for v in chosen) == 8
+    assert sum(v.name.startswith("fwd_") for v in chosen) == 16
+    assert sum(v.name.startswith("fwd_") and v.name.endswith("_docs") for v in chosen) == 8
     assert sum(v.name.startswith("bwd_") for v in chosen) >= 1
     lines = [line for line in run.stdout.splitlines() if line.strip()]
     assert len(lines) == len(chosen)
@@ -85,6 +87,12 @@ def _qkv(device="cpu", dtype=torch.bfloat16, d=128, sq=16, sk=16):
 def test_cute_backend_names_the_missing_gpu():
     reason = cute_backend.unsupported_reason(*_qkv(), causal=False, grad=False)
     assert reason is not None and "CUDA" in reason
+
+
+def test_cute_backend_refuses_gradients_with_documents_by_name():
+    ids = torch.zeros(1, 16, dtype=torch.int32)
+    reason = cute_backend.unsupported_reason(*_qkv(), causal=True, grad=True, doc_ids=(ids, ids))
+    assert reason is not None and "doc_ids" in reason and "backward" in reason
 
 
 def test_forward_config_that_overflows_shared_memory_is_refused_by_name():

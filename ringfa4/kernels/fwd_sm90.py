@@ -32,12 +32,19 @@ Techniques, each a compile-time switch of the configuration so benchmarks can sh
   (O then needs its own staging buffer instead of reusing Q's).
 Ragged tails rely on TMA: loads outside the tensor fill zeros, stores outside it are dropped.
 
+Packed documents (has_docs, one variant for every boundary set): the kernel takes each query's
+visible keys [key_lo, key_hi) (its document's, computed from the ids on the host) and a tile
+runs only the key blocks its rows' documents reach (doc_blocks): blocks wholly inside the one
+document of all its rows take the unmasked path, blocks on a boundary the mask, the rest are
+neither loaded nor computed.
+
 Fragment shapes per consumer thread (wgmma m64nNk16 accumulators, one MMA_M per warpgroup):
   S, P  ((2, 2, tile_n / 8), 1, 1)    fp32 / 16-bit: rows r and r + 8 of a quad, 2 columns per 8
   O     ((2, 2, head_dim / 8), 1, 1)  fp32
   row max, row sum, lse: 2 per thread (its two rows), each shared by the 4 threads of a quad.
 """
 from types import SimpleNamespace
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -50,7 +57,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from ringfa4.kernels import wgmma
 from ringfa4.kernels.barriers import FwdBarrier
 from ringfa4.kernels.dtypes import CUTLASS_DTYPES
-from ringfa4.kernels.layout import acc_rows_view, rows_major, seq_major, transpose
+from ringfa4.kernels.layout import acc_rows_view, rows_major, select_modes, seq_major, transpose
 from ringfa4.kernels.mask import AttentionMask
 from ringfa4.kernels.ptx import convert_to
 from ringfa4.kernels.softmax import LOG2_E, OnlineSoftmax, scale_rows
@@ -59,6 +66,11 @@ from ringfa4.kernels.tile_scheduler import FwdTileScheduler
 # Shared memory per CTA on sm_90 (227 KB) and what mbarriers + buffer alignment take of it.
 _SMEM_MAX = 232448
 _SMEM_RESERVED = 1024
+
+
+def shifted(n_lo, j):
+    """Key block j of a tile's range that starts at n_lo (None: at block 0)."""
+    return j if n_lo is None else n_lo + j
 
 
 class FwdSm90:
@@ -78,7 +90,8 @@ class FwdSm90:
         # setmaxnreg budgets: 64K registers per SM shared by one CTA's warpgroups.
         self.mma_regs, self.producer_regs = {2: (240, 24), 3: (160, 32)}[self.num_wg]
         self.scheduler = FwdTileScheduler(self.tile_m, self.d * 2 * (self.dtype.width // 8), cfg.lpt)
-        self.attention_mask = AttentionMask(self.tile_m, self.tile_n, cfg.causal, key_first=False)
+        self.attention_mask = AttentionMask(self.tile_m, self.tile_n, cfg.causal, key_first=False,
+                                            has_docs=cfg.has_docs)
         smem = 2 * self.d * (self.tile_m * (2 if cfg.persistent else 1)
                                 + 2 * self.stages * self.tile_n) + _SMEM_RESERVED
         if smem > _SMEM_MAX:
@@ -96,6 +109,8 @@ class FwdSm90:
         mV: cute.Tensor,  # (b, sk, hk, d)
         mO: cute.Tensor,  # (b, sq, h, d)
         mLSE: cute.Tensor,  # (b, h, sq) fp32
+        mKeyLo: Optional[cute.Tensor],  # (b, sq) int32, has_docs: first key of each query's document
+        mKeyHi: Optional[cute.Tensor],  # (b, sq) int32, has_docs: one past its last key
         softmax_scale: Float32,
         num_ctas: Int32,  # persistent grid size (the GPU's SM count); ignored otherwise
         stream,
@@ -103,6 +118,10 @@ class FwdSm90:
         # Kernel views: (seq, d, head, batch) and lse (seq, head, batch).
         mQ, mK, mV, mO = [seq_major(t) for t in (mQ, mK, mV, mO)]
         mLSE = rows_major(mLSE)
+        if const_expr(self.cfg.has_docs != (mKeyLo is not None and mKeyHi is not None)):
+            raise TypeError("key_lo and key_hi are required exactly when has_docs")
+        if const_expr(self.cfg.has_docs):
+            mKeyLo, mKeyHi = select_modes(mKeyLo, [1, 0]), select_modes(mKeyHi, [1, 0])  # (sq, b)
         dt = self.dtype
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
@@ -152,7 +171,7 @@ class FwdSm90:
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             softmax_scale * LOG2_E, num_tiles,
             sQ_layout, sK_layout, sV_layout, sO_layout,
-            tiled_mma_qk, tiled_mma_pv, SharedStorage,
+            tiled_mma_qk, tiled_mma_pv, SharedStorage, mKeyLo, mKeyHi,
         ).launch(
             grid=[grid, 1, 1],
             block=[self.num_threads, 1, 1],
@@ -167,6 +186,30 @@ class FwdSm90:
             n = cutlass.min(n, ((m_block + 1) * self.tile_m + self.tile_n - 1) // self.tile_n)
         return n
 
+    @cute.jit
+    def doc_blocks(self, m_block, batch, seqlen_q, seqlen_k, mKeyLo, mKeyHi):
+        """Key blocks of query block m_block with documents, (n_lo, n_hi, u_lo, u_hi): it sees
+        blocks n_lo <= j < n_hi, and u_lo <= j < u_hi need no mask. Keys visible to any of its
+        rows lie in [key_lo of its first row, key_hi of its last) (both nondecreasing in the
+        row). No mask only when every row lies in one document and the block lies inside that
+        document (and, causal, below the diagonal); the last block n_hi - 1 is always masked
+        (mainloop). A block whose rows see no key still runs one block, fully masked: its rows
+        come out with lse -inf and out 0 like any row that sees nothing."""
+        first = m_block * self.tile_m
+        last = cutlass.min(first + self.tile_m, seqlen_q) - 1
+        lo, hi = mKeyLo[first, batch], mKeyHi[last, batch]
+        if const_expr(self.cfg.causal):
+            hi = cutlass.min(hi, last + 1)
+        n_lo = cutlass.min(lo, seqlen_k - 1) // self.tile_n
+        n_hi = cutlass.max((hi + self.tile_n - 1) // self.tile_n, n_lo + 1)
+        u_hi = cutlass.min(hi // self.tile_n, n_hi - 1)
+        if const_expr(self.cfg.causal):
+            u_hi = cutlass.min(u_hi, (first + 1) // self.tile_n)
+        one_doc = (lo == mKeyLo[last, batch]) & (mKeyHi[first, batch] == mKeyHi[last, batch])
+        u_hi = cutlass.max(u_hi, n_lo) if one_doc else n_lo
+        u_lo = cutlass.max(cutlass.min((lo + self.tile_n - 1) // self.tile_n, u_hi), n_lo)
+        return n_lo, n_hi, u_lo, u_hi
+
     @cute.kernel
     def kernel(
         self,
@@ -179,6 +222,9 @@ class FwdSm90:
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
+        # Last: the kernel's symbol names its leading arguments, and without documents it stays
+        # the one it had before they existed.
+        mKeyLo: Optional[cute.Tensor], mKeyHi: Optional[cute.Tensor],
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -219,19 +265,19 @@ class FwdSm90:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.load(
-                    mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                    mQ, mK, mV, mKeyLo, mKeyHi, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                     pipe_q, pipe_k, pipe_v, num_tiles,
                 )
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(
-                mQ, mK, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                mQ, mK, mO, mLSE, mKeyLo, mKeyHi, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                 pipe_q, pipe_k, pipe_v, scale_log2, num_tiles,
             )
 
     @cute.jit
     def load(
-        self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+        self, mQ, mK, mV, mKeyLo, mKeyHi, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
         pipe_q, pipe_k, pipe_v, num_tiles,
     ):
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
@@ -241,7 +287,13 @@ class FwdSm90:
         while tile < num_tiles:
             m_block, head, batch = self.scheduler.coords(tile, seqlen_q, seqlen_k, mQ.shape[2], mQ.shape[3])
             head_kv = head // (mQ.shape[2] // mK.shape[2])
-            n_block_max = self.n_blocks(m_block, seqlen_k)
+            # Blocks n_lo .. n_lo + n_block_max - 1 (n_lo None: from 0).
+            n_lo = None
+            if const_expr(self.cfg.has_docs):
+                n_lo, n_hi, _, _ = self.doc_blocks(m_block, batch, seqlen_q, seqlen_k, mKeyLo, mKeyHi)
+                n_block_max = n_hi - n_lo
+            else:
+                n_block_max = self.n_blocks(m_block, seqlen_k)
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.d), (m_block, 0))
             gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
             gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
@@ -257,16 +309,16 @@ class FwdSm90:
             )
             # Blocks run from the last (diagonal under causal) down to 0: masked blocks first.
             # K of block j+1 is requested before V of block j, the order consumers use them.
-            self.load_block(pipe_k, tma_atom_K, tKgK, tKsK, n_block_max - 1, state)
+            self.load_block(pipe_k, tma_atom_K, tKgK, tKsK, shifted(n_lo, n_block_max - 1), state)
             pipe_q.producer_acquire(q_state)
             cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
             for i in cutlass.range(n_block_max - 1, unroll=1):
                 prev = state.clone()
                 state.advance()
-                self.load_block(pipe_k, tma_atom_K, tKgK, tKsK, n_block_max - 2 - i, state)
-                self.load_block(pipe_v, tma_atom_V, tVgV, tVsV, n_block_max - 1 - i, prev)
-            self.load_block(pipe_v, tma_atom_V, tVgV, tVsV, 0, state)
+                self.load_block(pipe_k, tma_atom_K, tKgK, tKsK, shifted(n_lo, n_block_max - 2 - i), state)
+                self.load_block(pipe_v, tma_atom_V, tVgV, tVsV, shifted(n_lo, n_block_max - 1 - i), prev)
+            self.load_block(pipe_v, tma_atom_V, tVgV, tVsV, shifted(n_lo, 0), state)
             state.advance()
             tile += cute.arch.grid_dim()[0]
 
@@ -300,13 +352,14 @@ class FwdSm90:
 
     @cute.jit
     def consume(
-        self, mQ, mK, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+        self, mQ, mK, mO, mLSE, mKeyLo, mKeyHi, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
         pipe_q, pipe_k, pipe_v, scale_log2, num_tiles,
     ):
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         tidx = cute.arch.thread_idx()[0] - 128
         ops = self.consumer_operands(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tidx)
         ops.pipe_k, ops.pipe_v, ops.seqlen_k = pipe_k, pipe_v, seqlen_k
+        ops.key_lo, ops.key_hi = mKeyLo, mKeyHi
         # Loops here touch ops only through calls on self: the DSL carries any object whose
         # methods a loop body calls as loop state, compile-time shapes included.
         acc_O = ops.acc_O
@@ -317,14 +370,17 @@ class FwdSm90:
         tile = Int32(cute.arch.block_idx()[0])
         while tile < num_tiles:
             m_block, head, batch = self.scheduler.coords(tile, seqlen_q, seqlen_k, mQ.shape[2], mQ.shape[3])
-            n_block_max = self.n_blocks(m_block, seqlen_k)
+            if const_expr(self.cfg.has_docs):
+                blocks = self.doc_blocks(m_block, batch, seqlen_q, seqlen_k, mKeyLo, mKeyHi)
+            else:
+                blocks = self.n_blocks(m_block, seqlen_k)
             softmax = OnlineSoftmax(
                 scale_log2, cute.size(ops.tScS, mode=[0]), self.cfg.rescale_threshold,
                 self.cfg.ex2_fma_per16,
             )
             acc_O.fill(0.0)
             pipe_q.consumer_wait(q_state)
-            state = self.mainloop(ops, softmax, state, m_block, n_block_max)
+            state = self.mainloop(ops, softmax, state, m_block, batch, blocks)
             # Every S of this tile is computed: the producer may load the next tile's Q.
             pipe_q.consumer_release(q_state)
             q_state.advance()
@@ -367,41 +423,60 @@ class FwdSm90:
         return ops
 
     @cute.jit
-    def mainloop(self, ops, softmax, state, m_block, n_block_max):
+    def mainloop(self, ops, softmax, state, m_block, batch, blocks):
         """Every key block of one tile, from the last (the only one that can hold keys past
-        seqlen_k) down to 0; blocks crossing the causal diagonal need the mask, the rest none.
-        With intra_wg_overlap the last block's P V is left for the caller to issue."""
-        n_first = n_block_max - 1
+        seqlen_k) down to the first; blocks crossing the causal diagonal or a document boundary
+        need the mask, the rest none. ``blocks``: n_blocks' count, or doc_blocks' ranges. With
+        intra_wg_overlap the last block's P V is left for the caller to issue."""
+        if const_expr(self.cfg.has_docs):
+            n_lo, n_hi, u_lo, u_hi = blocks
+            n_first = n_hi - 1
+        else:
+            n_first = blocks - 1
         if const_expr(self.cfg.intra_wg_overlap):
             ops.pipe_k.consumer_wait(state)
             acc_S = self.qk(ops, state.index)
             warpgroup.wait_group(0)
-            self.softmax_step(ops, softmax, acc_S, state, m_block, n_first, masked=True, is_first=True)
+            self.softmax_step(ops, softmax, acc_S, state, m_block, batch, n_first, masked=True,
+                              is_first=True)
             convert_to(wgmma.acc_as_operand_a(acc_S), ops.tOrP)
         else:
             self.sched_sync()
-            state = self.step_serial(ops, softmax, state, m_block, n_first, masked=True, is_first=True)
-        n_unmasked = n_first
-        if const_expr(self.cfg.causal):
-            n_unmasked = cutlass.min(n_first, (m_block * self.tile_m + 1) // self.tile_n)
-            for i in cutlass.range(n_first - n_unmasked, unroll=1):
-                state = self.step(ops, softmax, state, m_block, n_first - 1 - i, masked=True)
-        for i in cutlass.range(n_unmasked, unroll=1):
-            state = self.step(ops, softmax, state, m_block, n_unmasked - 1 - i, masked=False)
+            state = self.step_serial(ops, softmax, state, m_block, batch, n_first, masked=True,
+                                     is_first=True)
+        if const_expr(self.cfg.has_docs):
+            # Masked blocks above the unmasked range, the unmasked range, masked blocks below.
+            for i in cutlass.range(n_first - u_hi, unroll=1):
+                state = self.step(ops, softmax, state, m_block, batch, n_first - 1 - i, masked=True)
+            for i in cutlass.range(u_hi - u_lo, unroll=1):
+                state = self.step(ops, softmax, state, m_block, batch, u_hi - 1 - i, masked=False)
+            for i in cutlass.range(u_lo - n_lo, unroll=1):
+                state = self.step(ops, softmax, state, m_block, batch, u_lo - 1 - i, masked=True)
+        else:
+            n_unmasked = n_first
+            if const_expr(self.cfg.causal):
+                n_unmasked = cutlass.min(n_first, (m_block * self.tile_m + 1) // self.tile_n)
+                for i in cutlass.range(n_first - n_unmasked, unroll=1):
+                    state = self.step(ops, softmax, state, m_block, batch, n_first - 1 - i,
+                                      masked=True)
+            for i in cutlass.range(n_unmasked, unroll=1):
+                state = self.step(ops, softmax, state, m_block, batch, n_unmasked - 1 - i,
+                                  masked=False)
         return state
 
     @cute.jit
-    def step(self, ops, softmax, state, m_block, n_block, masked: cutlass.Constexpr[bool]):
+    def step(self, ops, softmax, state, m_block, batch, n_block, masked: cutlass.Constexpr[bool]):
         """Key block n_block after the first."""
         if const_expr(self.cfg.intra_wg_overlap):
-            state = self.step_overlap(ops, softmax, state, m_block, n_block, masked=masked)
+            state = self.step_overlap(ops, softmax, state, m_block, batch, n_block, masked=masked)
         else:
-            state = self.step_serial(ops, softmax, state, m_block, n_block, masked=masked,
+            state = self.step_serial(ops, softmax, state, m_block, batch, n_block, masked=masked,
                                      is_first=False)
         return state
 
     @cute.jit
-    def step_overlap(self, ops, softmax, state, m_block, n_block, masked: cutlass.Constexpr[bool]):
+    def step_overlap(self, ops, softmax, state, m_block, batch, n_block,
+                     masked: cutlass.Constexpr[bool]):
         """S_{j+1} and P_j V_j are issued together; softmax(S_{j+1}) overlaps P_j V_j."""
         v_state = state.clone()
         state.advance()
@@ -412,8 +487,8 @@ class FwdSm90:
         self.pv(ops, v_state.index, -1)
         self.sched_pass()
         warpgroup.wait_group(1)
-        row_scale = self.softmax_step(ops, softmax, acc_S, state, m_block, n_block, masked=masked,
-                                      is_first=False)
+        row_scale = self.softmax_step(ops, softmax, acc_S, state, m_block, batch, n_block,
+                                      masked=masked, is_first=False)
         warpgroup.wait_group(0)
         ops.pipe_v.consumer_release(v_state)
         convert_to(wgmma.acc_as_operand_a(acc_S), ops.tOrP)
@@ -421,16 +496,16 @@ class FwdSm90:
         return state
 
     @cute.jit
-    def step_serial(self, ops, softmax, state, m_block, n_block, masked: cutlass.Constexpr[bool],
-                    is_first: cutlass.Constexpr[bool]):
+    def step_serial(self, ops, softmax, state, m_block, batch, n_block,
+                    masked: cutlass.Constexpr[bool], is_first: cutlass.Constexpr[bool]):
         """No overlap inside the warpgroup: S_j, softmax, then P_j V_j. The turn on the tensor
         cores spans P_{j-1} V_{j-1} (previous call) and S_j."""
         ops.pipe_k.consumer_wait(state)
         acc_S = self.qk(ops, state.index)
         self.sched_pass()
         warpgroup.wait_group(0)
-        row_scale = self.softmax_step(ops, softmax, acc_S, state, m_block, n_block, masked=masked,
-                                      is_first=is_first)
+        row_scale = self.softmax_step(ops, softmax, acc_S, state, m_block, batch, n_block,
+                                      masked=masked, is_first=is_first)
         convert_to(wgmma.acc_as_operand_a(acc_S), ops.tOrP)
         if const_expr(not is_first):
             self.rescale_o(ops, softmax, row_scale)
@@ -442,13 +517,13 @@ class FwdSm90:
         return state
 
     @cute.jit
-    def softmax_step(self, ops, softmax, acc_S, k_state, m_block, n_block,
+    def softmax_step(self, ops, softmax, acc_S, k_state, m_block, batch, n_block,
                      masked: cutlass.Constexpr[bool], is_first: cutlass.Constexpr[bool]):
         """S of key block n_block is in registers: release its K stage, mask it, and turn it into
         P in place; returns the factor the running O must be rescaled by."""
         ops.pipe_k.consumer_release(k_state)
         if const_expr(masked):
-            self.mask(ops, acc_S, m_block, n_block)
+            self.mask(ops, acc_S, m_block, batch, n_block)
         return softmax.step(acc_S, is_first=is_first)
 
     @cute.jit
@@ -470,9 +545,13 @@ class FwdSm90:
             scale_rows(ops.acc_O, row_scale)
 
     @cute.jit
-    def mask(self, ops, acc_S, m_block, n_block):
-        self.attention_mask.apply(acc_rows_view(acc_S), ops.tScS, ops.t0ScS, m_block, n_block,
-                                  ops.seqlen_k)
+    def mask(self, ops, acc_S, m_block, batch, n_block):
+        if const_expr(self.cfg.has_docs):
+            self.attention_mask.apply(acc_rows_view(acc_S), ops.tScS, ops.t0ScS, m_block, n_block,
+                                      ops.seqlen_k, ops.key_lo[None, batch], ops.key_hi[None, batch])
+        else:
+            self.attention_mask.apply(acc_rows_view(acc_S), ops.tScS, ops.t0ScS, m_block, n_block,
+                                      ops.seqlen_k)
 
     @cute.jit
     def epilogue(

@@ -167,7 +167,7 @@ def test_persistent_ctas_running_many_tiles_each(d, causal):
     out, lse = _poisoned(q)
     # 128-key tiles: persistent CTAs' separate O buffer does not fit beside 176-key K/V stages.
     fn = kc.compile_variant(fwd_variant("bf16", d, causal, persistent=True, tile_n=128))
-    fn(q, k, v, out, lse, d ** -0.5, 7)
+    fn(q, k, v, out, lse, None, None, d ** -0.5, 7)  # no documents: no key ranges
     ref_out, ref_lse = torch_ref.forward(*(t.double() for t in (q, k, v)), causal, d ** -0.5)
     pt_out, pt_lse = _lowp_reference(q, k, v, causal, d ** -0.5)
     for name, got, pt, ref in (("out", out, pt_out, ref_out), ("lse", lse, pt_lse, ref_lse)):
@@ -213,3 +213,114 @@ def test_emulated_exp2_relative_error_is_below_1e4_on_device():
     rel = ((y.double() - torch.exp2(x.double())) / torch.exp2(x.double())).abs().max().item()
     print(f"emulated exp2 max relative error on device: {rel:.3e}")
     assert rel <= 1e-4
+
+
+# ---------------------------------------------------------------- packed documents (doc_ids)
+def _ids(lengths):
+    """Document ids of rows made of documents of these lengths, on the GPU."""
+    return torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32),
+                                   torch.tensor(lengths)).cuda()
+
+
+def _tiny_documents(total, seed):
+    """Documents of 1 to 8 rows filling ``total``."""
+    rng, lengths = random.Random(seed), []
+    while sum(lengths) < total:
+        lengths.append(min(rng.randint(1, 8), total - sum(lengths)))
+    return lengths
+
+
+def _lowp_documents(q, k, v, causal, scale, q_ids, k_ids):
+    """_lowp_reference with documents; rows that see nothing give NaN here and are not compared."""
+    group = q.shape[2] // k.shape[2]
+    k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    s = torch.matmul(qh, kh.transpose(-1, -2)).float() * scale
+    hidden = (q_ids[:, :, None] != k_ids[:, None, :])[:, None]
+    if causal:
+        hidden = hidden | torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+    s = s.masked_fill(hidden, -math.inf)
+    p = torch.softmax(s, dim=-1).to(q.dtype)
+    return torch.matmul(p, vh).transpose(1, 2), torch.logsumexp(s, dim=-1)
+
+
+def _check_documents(q, k, v, causal, q_ids, k_ids, seed, config=None):
+    """cute with doc_ids (outputs poisoned with NaN) against fp64: rows that see a key within the
+    bound, rows that see none exactly out = 0 and lse = -inf."""
+    scale = q.shape[-1] ** -0.5
+    out, lse = _poisoned(q)
+    cute_backend.forward(q, k, v, causal, scale, out=out, lse=lse, config=config,
+                         doc_ids=(q_ids, k_ids))
+    ref_out, ref_lse = torch_ref.forward(*(t.double() for t in (q, k, v)), causal, scale,
+                                         doc_ids=(q_ids, k_ids))
+    pt_out, pt_lse = _lowp_documents(q, k, v, causal, scale, q_ids, k_ids)
+    seen = ref_lse > -math.inf  # (b, h, sq)
+    assert not out.isnan().any() and not lse.isnan().any(), f"unwritten outputs (seed={seed})"
+    assert (lse[~seen] == -math.inf).all(), f"lse of rows that see nothing (seed={seed})"
+    assert (out.transpose(1, 2)[~seen] == 0).all(), f"out of rows that see nothing (seed={seed})"
+    seen_out = seen.transpose(1, 2)  # (b, sq, h)
+    for name, got, pt, ref, rows in (("out", out, pt_out, ref_out, seen_out),
+                                     ("lse", lse, pt_lse, ref_lse, seen)):
+        if not rows.any():
+            continue
+        err = (got.double() - ref)[rows].abs().max().item()
+        bound = 2 * (pt.double() - ref)[rows].abs().max().item() + ATOL
+        assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e} (seed={seed})"
+
+
+# Documents of one sequence, per batch row (lengths sum to s). The default tiles: d128 causal
+# 128 x 128, d128 full 128 x 176, d64 192 x 128; the edge cases put boundaries on those.
+DOCUMENTS = {
+    "length_1": lambda s: [[1, 1, 1, s - 5, 1, 1], [1] * 3 + [s - 3]],
+    "on_tile_edges": lambda s: [[128, 128, 176, 176, 192, 384, s - 1184], [352, 128, s - 480]],
+    "tiny": lambda s: [_tiny_documents(s, 1), _tiny_documents(s, 2)],
+    "mixed": lambda s: [[700, 1, 35, 300, s - 1036], [s // 2, s - s // 2]],
+}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("docs", list(DOCUMENTS))
+def test_forward_with_documents_matches_fp64_reference(docs, causal, d, dtype):
+    seed = _fresh_seed()
+    s = 1500
+    q, k, v = _inputs(2, s, s, 4, 2, d, DTYPES[dtype], seed)
+    ids = torch.stack([_ids(row) for row in DOCUMENTS[docs](s)])
+    _check_documents(q, k, v, causal, ids, ids, seed)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_forward_with_documents_on_a_ring_step_leaves_rows_without_keys_empty(d):
+    """A non-causal ring step: queries of documents 0..5 against keys of documents 3..9 (ids
+    nondecreasing on both sides); rows of documents 0..2 see nothing."""
+    seed = _fresh_seed()
+    q, k, v = _inputs(1, 1300, 900, 4, 4, d, torch.bfloat16, seed)
+    q_ids = _ids([200, 1, 299, 250, 300, 250])[None]
+    k_ids = (_ids([100, 200, 50, 150, 100, 300]) + 3)[None]
+    _check_documents(q, k, v, False, q_ids, k_ids, seed)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_with_one_document_is_dense_bit_for_bit(d, causal):
+    seed = _fresh_seed()
+    q, k, v = _inputs(2, 1111, 1111, 4, 2, d, torch.bfloat16, seed)
+    ids = torch.zeros((2, 1111), dtype=torch.int32, device="cuda")
+    dense = cute_backend.forward(q, k, v, causal, None)
+    one = cute_backend.forward(q, k, v, causal, None, doc_ids=(ids, ids))
+    assert torch.equal(dense[0], one[0]) and torch.equal(dense[1], one[1]), f"seed={seed}"
+
+
+@pytest.mark.parametrize("flags", [dict(intra_wg_overlap=False), dict(pingpong=False),
+                                   dict(persistent=True, tile_n=128), dict(ex2_fma_per16=16)],
+                         ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_technique_switches_keep_documents_exact(flags):
+    """The skipped and masked block ranges through the serial, single-warpgroup, persistent and
+    emulated-exp2 paths (2 x 2000 x 8 heads: persistent CTAs loop)."""
+    seed = _fresh_seed()
+    q, k, v = _inputs(2, 2000, 2000, 8, 2, 128, torch.bfloat16, seed)
+    ids = torch.stack([_ids([1, 127, 300, 1000, 572]), _ids(_tiny_documents(2000, 3))])
+    for causal in (False, True):
+        _check_documents(q, k, v, causal, ids, ids, seed,
+                         config=fwd_variant("bf16", 128, causal, has_docs=True, **flags))

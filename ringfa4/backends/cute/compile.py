@@ -50,7 +50,9 @@ def _fwd_args(cfg: FwdSm90Config):
     q, o = (_bshd(dt, b, sq, h, cfg.head_dim) for _ in range(2))
     k, v = (_bshd(dt, b, sk, hk, cfg.head_dim) for _ in range(2))
     lse = _fake(Float32, (b, h, sq), assumed_align=4)
-    return FwdSm90(cfg), (q, k, v, o, lse, Float32(1.0), Int32(1), _stream())
+    key_lo, key_hi = ((_fake(Int32, (b, sq), assumed_align=4) for _ in range(2)) if cfg.has_docs
+                      else (None, None))
+    return FwdSm90(cfg), (q, k, v, o, lse, key_lo, key_hi, Float32(1.0), Int32(1), _stream())
 
 
 def _bwd_args(cfg: BwdSm90Config):

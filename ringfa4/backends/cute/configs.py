@@ -27,6 +27,10 @@ class FwdSm90Config:
     ex2_fma_per16: int = 0
     lpt: bool = False
     persistent: bool = False
+    # Packed documents: the kernel takes each query's visible key range (from the document ids)
+    # at run time, skips key blocks outside the query block's documents and masks the blocks on
+    # a document boundary. One variant serves every boundary set.
+    has_docs: bool = False
 
     @property
     def name(self) -> str:
@@ -35,7 +39,8 @@ class FwdSm90Config:
             "pp" if self.pingpong else "nopp",
             f"rs{self.rescale_threshold:g}" if self.rescale_threshold is not None else "rsalways",
             f"ex{self.ex2_fma_per16}",
-        ] + (["lpt"] if self.lpt else []) + (["persist"] if self.persistent else [])
+        ] + (["lpt"] if self.lpt else []) + (["persist"] if self.persistent else []) + (
+            ["docs"] if self.has_docs else [])
         return (
             f"fwd_sm90_{self.dtype}_d{self.head_dim}_{'causal' if self.causal else 'full'}"
             f"_{self.tile_m}x{self.tile_n}s{self.num_stages}_" + "_".join(flags)
@@ -97,16 +102,17 @@ class MergeConfig:
         return f"merge_{self.out_dtype}_{self.part_dtype}_d{self.head_dim}"
 
 
-def fwd_defaults(dtype: str, head_dim: int, causal: bool) -> FwdSm90Config:
+def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False) -> FwdSm90Config:
     """The configuration `forward` uses for these inputs, chosen from side-by-side runs on H100
     (bench/RESULTS.md, kernel section): three consumer warpgroups (192-row tiles) at head dim
     64, persistent when not causal; 128-row tiles at 128, with 176-key blocks when not causal
-    (fewer, longer softmax/rescale steps) and LPT order when causal."""
+    (fewer, longer softmax/rescale steps) and LPT order when causal. With documents
+    (``has_docs``) the same tiles."""
     if head_dim <= 64:
         return FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=192,
-                             tile_n=128, lpt=causal, persistent=not causal)
+                             tile_n=128, lpt=causal, persistent=not causal, has_docs=has_docs)
     return FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=128,
-                         tile_n=128 if causal else 176, lpt=causal)
+                         tile_n=128 if causal else 176, lpt=causal, has_docs=has_docs)
 
 
 def fwd_variant(dtype: str, head_dim: int, causal: bool, **overrides) -> FwdSm90Config:
@@ -115,13 +121,14 @@ def fwd_variant(dtype: str, head_dim: int, causal: bool, **overrides) -> FwdSm90
 
 
 # The shipped variants (`python -m ringfa4.kernels --dump` compiles each): the forward's
-# defaults; the backward's preprocess, main kernel (every causal / deterministic / dK-dV mode)
+# defaults, without and with documents; the backward's preprocess, main kernel (every causal / deterministic / dK-dV mode)
 # and dQ postprocess (dq fresh or given in the input dtype, or an fp32 dq to add into); and the
 # ring's merge (two ranks sum in the input dtype, more in fp32: ringfa4.ring.attention._sum_dtype).
 _DTYPES = ("bf16", "fp16")
 _HEAD_DIMS = (64, 128)
 VARIANTS = (
-    [fwd_defaults(dt, d, c) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)]
+    [fwd_defaults(dt, d, c, docs)
+     for docs in (False, True) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)]
     + [BwdPreprocessConfig(dt, d) for dt in _DTYPES for d in _HEAD_DIMS]
     + [DqPostprocessConfig(dt, d, add)
        for d in _HEAD_DIMS

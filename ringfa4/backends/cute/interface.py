@@ -23,8 +23,9 @@ HEAD_DIMS = (64, 128)
 
 
 def unsupported_reason(q, k, v, causal, grad, doc_ids=None):
-    if doc_ids is not None:
-        return "cute kernels do not take document masks (packed documents, doc_ids) yet"
+    if doc_ids is not None and grad:
+        return ("cute kernels take document masks (doc_ids) in the forward only: the backward "
+                "kernel has no document mask yet")
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return f"cute kernels run on CUDA tensors only, got devices {q.device}, {k.device}, {v.device}"
     major, minor = torch.cuda.get_device_capability(q.device)
@@ -79,11 +80,21 @@ def _forward_outputs(q, out, lse):
     return out, lse
 
 
-def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None):
+def visible_keys(doc_ids):
+    """Each query's visible keys [key_lo, key_hi) (int32 (b, sq) each) from doc_ids = (q_ids,
+    k_ids): the keys of its document, contiguous since the ids are nondecreasing. Computed on
+    the GPU (no host sync); what the forward kernel's document mask reads."""
+    q_ids, k_ids = (t.contiguous() for t in doc_ids)
+    return tuple(torch.searchsorted(k_ids, q_ids, side=side, out_int32=True)
+                 for side in ("left", "right"))
+
+
+def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc_ids=None):
     """(out, lse). ``out`` (like q) and ``lse`` (float32, (b, h, sq), contiguous last dim) may be
     given preallocated; they are then written and returned. ``config`` (a
-    ringfa4.backends.cute.configs.FwdSm90Config for these dtype/head_dim/causal) replaces the
-    default kernel configuration, for benchmarks and tests of the technique switches."""
+    ringfa4.backends.cute.configs.FwdSm90Config for these dtype/head_dim/causal/documents)
+    replaces the default kernel configuration, for benchmarks and tests of the technique
+    switches. ``doc_ids``: packed documents (ringfa4.backends), the has_docs variant."""
     d = q.shape[-1]
     out, lse = _forward_outputs(q, out, lse)
     if out.numel() == 0:
@@ -92,13 +103,17 @@ def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None):
         out.zero_()
         lse.fill_(-math.inf)
         return out, lse
+    has_docs = doc_ids is not None
     if config is None:
-        config = fwd_defaults(DTYPE_NAMES[q.dtype], d, causal)
-    elif (config.dtype, config.head_dim, config.causal) != (DTYPE_NAMES[q.dtype], d, causal):
-        raise ValueError(f"config {config.name} does not match dtype={q.dtype}, head_dim={d}, causal={causal}")
+        config = fwd_defaults(DTYPE_NAMES[q.dtype], d, causal, has_docs)
+    elif ((config.dtype, config.head_dim, config.causal, config.has_docs)
+          != (DTYPE_NAMES[q.dtype], d, causal, has_docs)):
+        raise ValueError(f"config {config.name} does not match dtype={q.dtype}, head_dim={d}, "
+                         f"causal={causal}, documents={has_docs}")
+    key_lo, key_hi = visible_keys(doc_ids) if has_docs else (None, None)
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    compiled(config)(q.detach(), k.detach(), v.detach(), out.detach(), lse, _scale(softmax_scale, d),
-                     num_sms(device))
+    compiled(config)(q.detach(), k.detach(), v.detach(), out.detach(), lse, key_lo, key_hi,
+                     _scale(softmax_scale, d), num_sms(device))
     return out, lse
 
 
