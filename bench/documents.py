@@ -12,7 +12,7 @@ n tokens n (n + 1) / 2 pairs, each 4 * heads * head_dim FLOPs forward (ringfa4.f
 for forward + backward.
 
 Attention rows (one GPU, causal): ringfa4.attention(cu_seqlens=) with --backend (auto picks cute
-once its kernels take documents, else fa4) vs flash_attn.cute.flash_attn_varlen_func on the same
+on Hopper) vs flash_attn.cute.flash_attn_varlen_func on the same
 packed documents, out compared first; forward (no grad) and forward + backward (autograd). No
 cuDNN/SDPA column: SDPA takes documents only as a dense mask, which is not the same work.
 
@@ -104,7 +104,7 @@ def attention_rows(args, device, dtype, rows):
                 assert err < 2e-2, f"ringfa4 and FA4 varlen differ by {err} at seq {seq} ({mix})"
             timer = measure.Timer(device, rounds=args.rounds, turn_ms=None if args.smoke else 100, reduce="min")
             for direction in ("fwd", "fwd+bwd"):
-                # auto may pick another backend when gradients are needed (cute: forward only).
+                # auto chooses per call and may choose differently when gradients are needed.
                 probe = q.detach().requires_grad_(direction != "fwd")
                 backend = _name(_choose_backend(args.backend, probe, k, v, True,
                                                 documents.local_ids([row], seq, device)))

@@ -33,6 +33,13 @@ descending for causal so that no CTA waits for the long-running low blocks). CTA
 with the KV block as the fastest grid index, in that same order, so a CTA only ever waits on
 CTAs launched before it.
 
+Packed documents (has_docs, one variant for every boundary set): a CTA walks only the query
+tiles its keys' documents reach (from the host, with per query tile the run of K/V blocks that
+reach it, which orders deterministic mode's reductions); a CTA no query reaches walks none and
+writes dK = dV = 0. A tile whose queries all lie in one document that holds the whole K/V block
+(and, causal, below the diagonal) runs unmasked; the others are masked by each query's visible
+key range.
+
 Per MMA thread (wgmma m64nNk16 accumulators, each warp group 64 rows of the K/V block):
   S^T, dP^T  ((2, 2, tile_m / 8), 1, 1) fp32      P^T, dS^T: the same shape in 16 bits
   dK, dV     ((2, 2, head_dim / 8), 1, 1) fp32    kept until the epilogue
@@ -69,7 +76,8 @@ class AttentionBackwardSm90:
 
     num_threads = (NUM_MMA_WG + 1) * WG_THREADS
 
-    def __init__(self, dtype, head_dim: int, causal: bool, deterministic: bool, dkv_dtype):
+    def __init__(self, dtype, head_dim: int, causal: bool, deterministic: bool, dkv_dtype,
+                 has_docs: bool = False):
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise ValueError(f"dtype must be Float16 or BFloat16, got {dtype}")
         if head_dim not in (64, 128):
@@ -81,6 +89,7 @@ class AttentionBackwardSm90:
         self.causal = causal
         self.deterministic = deterministic
         self.dkv_dtype = dkv_dtype
+        self.has_docs = has_docs
         self.tile_n = 64 * NUM_MMA_WG
         # Register budget per MMA thread: S^T, dP^T (tile_m / 2 each) + dK, dV (head_dim / 2 each).
         self.tile_m = query_tile(head_dim)
@@ -91,7 +100,8 @@ class AttentionBackwardSm90:
         self.dq_cols = head_dim if self.dq_split_rows else head_dim // NUM_MMA_WG
         self.dq_part = self.tile_m * head_dim // NUM_MMA_WG
         self.mma_regs = 240
-        self.attention_mask = AttentionMask(self.tile_m, self.tile_n, causal, key_first=True)
+        self.attention_mask = AttentionMask(self.tile_m, self.tile_n, causal, key_first=True,
+                                            has_docs=has_docs)
         self.load_regs = 24
 
     # ---------------------------------------------------------------- host side (traced once)
@@ -144,13 +154,18 @@ class AttentionBackwardSm90:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE: cute.Tensor, mDelta: cute.Tensor, mdQ: cute.Tensor, mdK: cute.Tensor,
-                 mdV: cute.Tensor, mSem: Optional[cute.Tensor], softmax_scale: Float32,
-                 stream):
+                 mdV: cute.Tensor, mSem: Optional[cute.Tensor],
+                 mKeyLo: Optional[cute.Tensor], mKeyHi: Optional[cute.Tensor],
+                 mQueryBlocks: Optional[cute.Tensor], mKeyBlocks: Optional[cute.Tensor],
+                 softmax_scale: Float32, stream):
         """q, dout (b, sq, h, d); k, v (b, sk, hk, d); lse2, delta (b, h, sq rounded up to
         tile_m) fp32, lse2 in log2 units with +inf on rows that see no key; dq_acc (b, h,
         sq tiles * tile_m * head_dim) fp32 in fragment order (dq_layout.py; added into); dk, dv
         (b, sk, hk, d) of dkv_dtype; sem (b, h, sq tiles) int32 zeros when deterministic, else
-        None."""
+        None. With has_docs (else None), int32: key_lo, key_hi (b, sq) each query's visible
+        keys (its document's); query_blocks (b, kv blocks, 2) the query tiles [first, end) each
+        KV block visits; key_blocks (b, query tiles, 2) the first and last KV block visiting
+        each query tile (deterministic order), all from the host's visible_blocks."""
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype
                       or mV.element_type != self.dtype or mdO.element_type != self.dtype):
             raise TypeError("q, k, v, dout must all have the kernel's dtype")
@@ -160,6 +175,8 @@ class AttentionBackwardSm90:
             raise TypeError("dk, dv must have dkv_dtype")
         if const_expr(self.deterministic != (mSem is not None)):
             raise TypeError("sem is required exactly in deterministic mode")
+        if const_expr(self.has_docs != (mKeyBlocks is not None)):
+            raise TypeError("the document ranges are required exactly when has_docs")
         self._layouts()
         self._mmas()
         Storage = self._storage()
@@ -199,6 +216,7 @@ class AttentionBackwardSm90:
             Float32(softmax_scale), Float32(softmax_scale * LOG2_E),
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout, self.sdS_layout,
             self.sdKV_layout, self.mma_sdp, self.mma_dkv, self.mma_dq, Storage,
+            mKeyLo, mKeyHi, mQueryBlocks, mKeyBlocks,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device side
@@ -214,7 +232,11 @@ class AttentionBackwardSm90:
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sdKV_layout: cute.ComposedLayout,
                mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
-               Storage: cutlass.Constexpr):
+               Storage: cutlass.Constexpr,
+               # Last: the kernel's symbol names its leading arguments, and without documents
+               # it stays the one it had before they existed.
+               mKeyLo: Optional[cute.Tensor], mKeyHi: Optional[cute.Tensor],
+               mQueryBlocks: Optional[cute.Tensor], mKeyBlocks: Optional[cute.Tensor]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_head, batch = cute.arch.block_idx()
@@ -244,11 +266,17 @@ class AttentionBackwardSm90:
         seqlen_q = tQ.shape[0]
         seqlen_k = tK.shape[0]
         num_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
-        # Causal (sq == sk): query tile m sees key block n iff its last row >= the block's first.
-        m_block_min = 0
-        if const_expr(self.causal):
-            m_block_min = n_block * self.tile_n // self.tile_m
-        steps_per_head = num_m_blocks - m_block_min
+        if const_expr(self.has_docs):
+            # The query tiles of the documents of this block's keys (none: dK = dV = 0).
+            m_block_min = mQueryBlocks[batch, n_block, 0]
+            steps_per_head = mQueryBlocks[batch, n_block, 1] - m_block_min
+        else:
+            # Causal (sq == sk): query tile m sees key block n iff its last row >= the block's
+            # first.
+            m_block_min = 0
+            if const_expr(self.causal):
+                m_block_min = n_block * self.tile_n // self.tile_m
+            steps_per_head = num_m_blocks - m_block_min
         # Every query head of this kv head's group (GQA) adds into the same dK, dV registers.
         group = tQ.shape[2] // tK.shape[2]
         num_steps = steps_per_head * group
@@ -263,14 +291,15 @@ class AttentionBackwardSm90:
                            mbar_kv, n_block, kv_head, batch,
                            BwdStepScheduler(kv_head * group, m_block_min, steps_per_head), num_steps)
             if warp_idx == 1:
-                self._store_dq(mdQ, sdQ, mSem, n_block, num_n_blocks, batch,
+                self._store_dq(mdQ, sdQ, mSem, mKeyBlocks, n_block, num_n_blocks, batch,
                                BwdStepScheduler(kv_head * group, m_block_min, steps_per_head), num_steps)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             acc_dK, acc_dV = self._mma(
                 sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, pipe_q, pipe_do, mbar_kv, mma_sdp,
                 mma_dkv, mma_dq, tidx - WG_THREADS, softmax_scale, scale_log2,
-                seqlen_k, n_block, BwdStepScheduler(kv_head * group, m_block_min, steps_per_head),
+                seqlen_q, seqlen_k, n_block, batch, mKeyLo, mKeyHi,
+                BwdStepScheduler(kv_head * group, m_block_min, steps_per_head),
                 num_steps)
             self._epilogue_dkv(acc_dK, acc_dV, tiles, sdKV_layout, tdK, tdV, tma_dk, tma_dv,
                                mma_dkv, tidx - WG_THREADS, n_block, kv_head, batch)
@@ -342,8 +371,8 @@ class AttentionBackwardSm90:
             state.advance()
 
     @cute.jit
-    def _store_dq(self, mdQ, sdQ, mSem, n_block, num_n_blocks, batch, steps: BwdStepScheduler,
-                  num_steps):
+    def _store_dq(self, mdQ, sdQ, mSem, mKeyBlocks, n_block, num_n_blocks, batch,
+                  steps: BwdStepScheduler, num_steps):
         """Lane 0 reduces each warp group's dQ part into its fragment-order block of mdQ
         (bulk copies are tracked per issuing thread, so one lane issues and waits)."""
         lane = cute.arch.lane_idx()
@@ -362,7 +391,11 @@ class AttentionBackwardSm90:
                 # Wait for the KV blocks that add into this dQ tile before this one: blocks
                 # 0 .. n_block-1, or for causal the blocks after this one (descending order).
                 turn = n_block
-                if const_expr(self.causal):
+                if const_expr(self.has_docs):
+                    # Only the contiguous run of blocks first .. last visits this tile.
+                    turn = (mKeyBlocks[batch, m_block, 1] - n_block if const_expr(self.causal)
+                            else n_block - mKeyBlocks[batch, m_block, 0])
+                elif const_expr(self.causal):
                     n_visible = cutlass.min(((m_block + 1) * self.tile_m - 1) // self.tile_n + 1,
                                             num_n_blocks)
                     turn = n_visible - 1 - n_block
@@ -392,13 +425,16 @@ class AttentionBackwardSm90:
     def _mma(self, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ,
              pipe_q, pipe_do, mbar_kv, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma,
              mma_dq: cute.TiledMma, tidx, softmax_scale, scale_log2,
-             seqlen_k, n_block, steps: BwdStepScheduler, num_steps):
+             seqlen_q, seqlen_k, n_block, batch, mKeyLo, mKeyHi, steps: BwdStepScheduler,
+             num_steps):
         """The main loop of the MMA warp groups; returns this thread's dK, dV accumulators.
         Per query tile: S^T, dP^T; P^T (mask, exp2); dS^T; dS to shared memory; dV += P^T dO;
         dQ = dS K; dK += dS^T Q; the dQ part handed to the dQ warp.
         The loop touches ops only through calls on self: the DSL carries any object whose
         methods a loop body calls as loop state, compile-time shapes included."""
         ops = self._mma_operands(sQ, sK, sV, sdO, sdS, sdQ, mma_sdp, mma_dkv, mma_dq, tidx)
+        if const_expr(self.has_docs):
+            ops.key_lo, ops.key_hi = mKeyLo[batch, None], mKeyHi[batch, None]
 
         cute.arch.mbarrier_wait(mbar_kv, 0)
         state = cutlass.pipeline.make_pipeline_state(
@@ -414,7 +450,8 @@ class AttentionBackwardSm90:
             acc_dp = cute.make_rmem_tensor(ops.acc_shape_s, Float32)
             wgmma.gemm(mma_sdp, acc_dp, ops.tdPrV, ops.tdPrdO[None, None, None, stage], zero_init=True, wait=1)
 
-            p = self._probabilities(ops, acc_s, sLSE, stage, scale_log2, seqlen_k, m_block, n_block)
+            p = self._probabilities(ops, acc_s, sLSE, stage, scale_log2, seqlen_q, seqlen_k, m_block,
+                                    n_block)
             warpgroup.wait_group(0)
             ds = self._score_grads(ops, acc_s, acc_dp, sDelta, stage, softmax_scale)
             self._store_ds(ops, ds, stage)
@@ -486,17 +523,29 @@ class AttentionBackwardSm90:
         return ops
 
     @cute.jit
-    def _probabilities(self, ops, acc_s, sLSE, stage, scale_log2, seqlen_k, m_block, n_block):
+    def _probabilities(self, ops, acc_s, sLSE, stage, scale_log2, seqlen_q, seqlen_k, m_block,
+                       n_block):
         """P^T = exp2(S^T * scale * log2(e) - lse2) in place in acc_s (masked entries give
-        exp2(-inf) = 0), and P^T in 16 bits. Only a key block past seqlen_k or crossing the
-        causal diagonal is masked."""
+        exp2(-inf) = 0), and P^T in 16 bits. Only a key block past seqlen_k, crossing the
+        causal diagonal or (has_docs) not inside the one document of every query of the tile
+        is masked."""
         s_mn = acc_rows_view(acc_s, transpose=True)  # (query, key)
         n_base = n_block * self.tile_n
         needs_mask = n_base + self.tile_n > seqlen_k
         if const_expr(self.causal):
             needs_mask = needs_mask or (n_base + self.tile_n - 1 > m_block * self.tile_m)
-        if needs_mask:
-            self.attention_mask.apply(s_mn, ops.cS, ops.cS0, m_block, n_block, seqlen_k)
+        if const_expr(self.has_docs):
+            first = m_block * self.tile_m
+            last = cutlass.min(first + self.tile_m, seqlen_q) - 1
+            lo, hi = ops.key_lo[first], ops.key_hi[last]
+            needs_mask = needs_mask or ((lo != ops.key_lo[last]) | (ops.key_hi[first] != hi)
+                                        | (n_base < lo) | (n_base + self.tile_n > hi))
+            if needs_mask:
+                self.attention_mask.apply(s_mn, ops.cS, ops.cS0, m_block, n_block, seqlen_k,
+                                          ops.key_lo, ops.key_hi)
+        else:
+            if needs_mask:
+                self.attention_mask.apply(s_mn, ops.cS, ops.cS0, m_block, n_block, seqlen_k)
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
             lse2 = sLSE[ops.cS[r, 0][1], stage]
             for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):

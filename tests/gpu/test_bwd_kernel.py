@@ -210,3 +210,119 @@ def test_inputs_the_kernels_cannot_take_are_refused_with_the_argument_named():
         ringfa4.attention(q, k[:, :64], v[:, :64], causal=True, backend="cute")
     with pytest.raises(TypeError, match="k.dtype"):
         ringfa4.attention(q, k.float(), v, backend="cute")
+
+
+# ---------------------------------------------------------------- packed documents (doc_ids)
+def _ids(lengths):
+    """Document ids of rows made of documents of these lengths, on the GPU."""
+    return torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32),
+                                   torch.tensor(lengths)).cuda()
+
+
+def _tiny_documents(total, seed):
+    """Documents of 1 to 8 rows filling ``total``."""
+    gen, lengths = torch.Generator().manual_seed(seed), []
+    while sum(lengths) < total:
+        lengths.append(min(int(torch.randint(1, 9, (), generator=gen)), total - sum(lengths)))
+    return lengths
+
+
+def _lowp_documents(q, k, v, causal, scale, q_ids, k_ids):
+    """_lowp_attention with documents; rows that see no key give out = 0 and no gradient."""
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k).float() * scale
+    hidden = (q_ids[:, :, None] != k_ids[:, None, :])[:, None]
+    if causal:
+        hidden = hidden | torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+    empty = hidden.all(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(hidden & ~empty, -math.inf), dim=-1) * ~empty
+    return torch.einsum("bhqk,bkhd->bqhd", p.to(q.dtype), v)
+
+
+def _document_references(q, k, v, dout, causal, scale, doc_ids):
+    """(out, lse, fp64 grads from the exact torch reference, low-precision PyTorch grads)."""
+    import ringfa4.backends.torch_ref as torch_ref
+
+    q64, k64, v64, do64 = (t.double() for t in (q, k, v, dout))
+    out64, lse64 = torch_ref.forward(q64, k64, v64, causal, scale, doc_ids=doc_ids)
+    g64 = torch_ref.backward(do64, q64, k64, v64, out64, lse64, causal, scale, doc_ids=doc_ids)
+    low = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    glow = torch.autograd.grad(_lowp_documents(*low, causal, scale, *doc_ids), low, dout)
+    return out64.to(q.dtype), lse64.float(), g64, glow
+
+
+# Documents of one sequence, per batch row (lengths sum to s). Backward tiles: 128 keys, 128
+# (d64) or 64 (d128) queries; the edge cases put boundaries on both.
+DOCUMENTS = {
+    "length_1": lambda s: [[1, 1, 1, s - 5, 1, 1], [1] * 3 + [s - 3]],
+    "on_tile_edges": lambda s: [[64, 64, 128, 256, 192, 384, s - 1088], [320, 128, s - 448]],
+    "tiny": lambda s: [_tiny_documents(s, 1), _tiny_documents(s, 2)],
+    "mixed": lambda s: [[700, 1, 35, 300, s - 1036], [s // 2, s - s // 2]],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("docs", list(DOCUMENTS))
+def test_gradients_with_documents_match_fp64_reference(docs, causal, d, dtype):
+    s, scale = 1500, 0.7 / math.sqrt(d)
+    q, k, v, dout = _inputs(2, s, s, 4, 2, d, dtype, seed=len(docs) * 7 + d, offset=5)
+    ids = torch.stack([_ids(row) for row in DOCUMENTS[docs](s)])
+    out, lse, g64, glow = _document_references(q, k, v, dout, causal, scale, (ids, ids))
+    _poison_allocator(q, k, v, q.float())
+    grads = cute_backend.backward(dout, q, k, v, out, lse, causal, scale, doc_ids=(ids, ids))
+    for name, got, r64, rlow, like in zip("dq dk dv".split(), grads, g64, glow, (q, k, v)):
+        assert got.dtype == like.dtype and got.shape == like.shape, name
+        _assert_close(name, got, r64, rlow)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_documents_on_a_ring_step_give_zero_where_nothing_is_seen(d, deterministic):
+    """A non-causal ring step: queries of documents 0, 1, 4 against keys of documents 1..4.
+    Query rows of document 0 get dq = 0; keys 100..699 (documents 2, 3) no query sees get
+    dk = dv = 0, so fp32 buffers given for them keep their values exactly."""
+    scale = d ** -0.5
+    q, k, v, dout = _inputs(1, 900, 1300, 4, 2, d, torch.bfloat16, seed=d + deterministic)
+    doc_ids = (_ids([200, 300, 0, 0, 400])[None], _ids([0, 100, 300, 300, 600])[None])
+    out, lse, g64, glow = _document_references(q, k, v, dout, False, scale, doc_ids)
+    assert (lse[:, :, :200] == -math.inf).all()
+    init = [torch.randn(t.shape, device="cuda") for t in (k, v)]
+    bufs = [t.clone() for t in init]
+    dq, dk, dv = cute_backend.backward(dout, q, k, v, out, lse, False, scale, None, *bufs,
+                                       deterministic=deterministic, doc_ids=doc_ids)
+    assert (dq[:, :200] == 0).all()
+    for name, got, i, r64, rlow in (("dk", dk, init[0], g64[1], glow[1]),
+                                    ("dv", dv, init[1], g64[2], glow[2])):
+        assert torch.equal(got[:, 100:700], i[:, 100:700]), f"{name} of keys no query sees"
+        _assert_close(name, got - i, r64, rlow)
+    _assert_close("dq", dq, g64[0], glow[0])
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_with_one_document_are_dense_bit_for_bit(d, causal):
+    """Deterministic mode (a fixed order of the dQ reductions) so that bits can be compared."""
+    q, k, v, dout = _inputs(2, 1111, 1111, 4, 2, d, torch.bfloat16, seed=3)
+    out, lse, _, _ = _references(q, k, v, dout, causal, d ** -0.5)
+    ids = torch.zeros((2, 1111), dtype=torch.int32, device="cuda")
+    dense = cute_backend.backward(dout, q, k, v, out, lse, causal, None, deterministic=True)
+    one = cute_backend.backward(dout, q, k, v, out, lse, causal, None, deterministic=True,
+                                doc_ids=(ids, ids))
+    for name, a, b in zip("dq dk dv".split(), dense, one):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_mode_with_documents_is_bit_identical_run_to_run(causal):
+    b, s, h, d = 2, 1536, 4, 128
+    q, k, v, dout = _inputs(b, s, s, h, 2, d, torch.bfloat16, seed=13)
+    ids = torch.stack([_ids([1, 127, 300, 500, 608]), _ids(_tiny_documents(s, 3))])
+    out, lse, g64, glow = _document_references(q, k, v, dout, causal, d ** -0.5, (ids, ids))
+    runs = [cute_backend.backward(dout, q, k, v, out, lse, causal, d ** -0.5, deterministic=True,
+                                  doc_ids=(ids, ids)) for _ in range(2)]
+    for name, a, c, r64, rlow in zip("dq dk dv".split(), *runs, g64, glow):
+        assert torch.equal(a, c), f"{name} differs between two deterministic runs"
+        _assert_close(name, a, r64, rlow)

@@ -58,8 +58,8 @@ def _fwd_args(cfg: FwdSm90Config):
 def _bwd_args(cfg: BwdSm90Config):
     dt = CUTLASS_DTYPES[cfg.dtype]
     kernel = AttentionBackwardSm90(dt, cfg.head_dim, cfg.causal, cfg.deterministic,
-                                   Float32 if cfg.dkv_fp32 else dt)
-    b, sq, sk, h, hk, sq_pad, n_m, dq_len = (cute.sym_int() for _ in range(8))
+                                   Float32 if cfg.dkv_fp32 else dt, cfg.has_docs)
+    b, sq, sk, h, hk, sq_pad, n_m, dq_len, n_n = (cute.sym_int() for _ in range(9))
     d = cfg.head_dim
     dq_acc = _fake(Float32, (b, h, dq_len), align_elems=4)  # fragment order
     sem = (cute.runtime.make_fake_tensor(Int32, (b, h, n_m), stride=(cute.sym_int64(), n_m, 1),
@@ -67,7 +67,12 @@ def _bwd_args(cfg: BwdSm90Config):
     q, k, v, do = (_bshd(dt, b, s, n, d) for s, n in ((sq, h), (sk, hk), (sk, hk), (sq, h)))
     lse2, delta = (_fake(Float32, (b, h, sq_pad), align_elems=4) for _ in range(2))
     dk, dv = (_bshd(Float32 if cfg.dkv_fp32 else dt, b, sk, hk, d) for _ in range(2))
-    return kernel, (q, k, v, do, lse2, delta, dq_acc, dk, dv, sem, Float32(1.0), _stream())
+    docs = (None,) * 4
+    if cfg.has_docs:
+        blocks = (cute.runtime.make_fake_tensor(Int32, (b, n, 2), stride=(cute.sym_int64(), 2, 1),
+                                                assumed_align=4) for n in (n_n, n_m))
+        docs = (*(_fake(Int32, (b, sq), assumed_align=4) for _ in range(2)), *blocks)
+    return kernel, (q, k, v, do, lse2, delta, dq_acc, dk, dv, sem, *docs, Float32(1.0), _stream())
 
 
 def _preprocess_args(cfg: BwdPreprocessConfig):

@@ -56,12 +56,15 @@ class BwdSm90Config:
     causal: bool
     deterministic: bool
     dkv_fp32: bool  # dk, dv are fp32 buffers the kernel adds into (else written in dtype)
+    # Packed documents: per KV block, the query tiles its documents reach (from the ids at run
+    # time); tiles on a boundary are masked. One variant serves every boundary set.
+    has_docs: bool = False
 
     @property
     def name(self) -> str:
         return (f"bwd_sm90_{self.dtype}_d{self.head_dim}_{'causal' if self.causal else 'full'}"
                 f"_{'det' if self.deterministic else 'atomic'}"
-                f"_{'dkvadd32' if self.dkv_fp32 else 'dkvstore'}")
+                f"_{'dkvadd32' if self.dkv_fp32 else 'dkvstore'}" + ("_docs" if self.has_docs else ""))
 
 
 @dataclass(frozen=True)
@@ -121,8 +124,8 @@ def fwd_variant(dtype: str, head_dim: int, causal: bool, **overrides) -> FwdSm90
 
 
 # The shipped variants (`python -m ringfa4.kernels --dump` compiles each): the forward's
-# defaults, without and with documents; the backward's preprocess, main kernel (every causal / deterministic / dK-dV mode)
-# and dQ postprocess (dq fresh or given in the input dtype, or an fp32 dq to add into); and the
+# defaults, without and with documents; the backward's preprocess, main kernel (every causal /
+# deterministic / dK-dV mode, without and with documents) and dQ postprocess (dq fresh or given in the input dtype, or an fp32 dq to add into); and the
 # ring's merge (two ranks sum in the input dtype, more in fp32: ringfa4.ring.attention._sum_dtype).
 _DTYPES = ("bf16", "fp16")
 _HEAD_DIMS = (64, 128)
@@ -133,8 +136,8 @@ VARIANTS = (
     + [DqPostprocessConfig(dt, d, add)
        for d in _HEAD_DIMS
        for dt, add in (("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True), ("fp32", True))]
-    + [BwdSm90Config(dt, d, c, det, f32)
-       for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)
+    + [BwdSm90Config(dt, d, c, det, f32, docs)
+       for docs in (False, True) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)
        for det in (False, True) for f32 in (False, True)]
     + [MergeConfig(out, part, d) for part in _DTYPES for out in (part, "fp32") for d in _HEAD_DIMS]
 )

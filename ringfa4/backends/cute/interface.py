@@ -13,7 +13,7 @@ import torch
 
 from ringfa4.backends import DqBuffer
 from ringfa4.backends.cute.configs import BwdSm90Config, fwd_defaults
-from ringfa4.backends.cute.launch import compiled, num_sms, query_tile
+from ringfa4.backends.cute.launch import compiled, key_tile, num_sms, query_tile
 from ringfa4.backends.cute.query_state import (QueryRows, QueryState, padded_rows, postprocess_dq,
                                                query_rows)
 from ringfa4.backends.cute.tensors import (DTYPE_NAMES, INPUT_DTYPES, layout_reason, tma_compatible,
@@ -23,9 +23,6 @@ HEAD_DIMS = (64, 128)
 
 
 def unsupported_reason(q, k, v, causal, grad, doc_ids=None):
-    if doc_ids is not None and grad:
-        return ("cute kernels take document masks (doc_ids) in the forward only: the backward "
-                "kernel has no document mask yet")
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return f"cute kernels run on CUDA tensors only, got devices {q.device}, {k.device}, {v.device}"
     major, minor = torch.cuda.get_device_capability(q.device)
@@ -89,6 +86,30 @@ def visible_keys(doc_ids):
                  for side in ("left", "right"))
 
 
+def visible_blocks(doc_ids, causal, head_dim):
+    """What the backward kernel reads of doc_ids, all int32 on the GPU (no host sync):
+    visible_keys; per K/V block the query tiles [first, end) its keys' documents reach
+    (b, kv blocks, 2); per query tile the first and last K/V block reaching it (b, query
+    tiles, 2), the blocks whose dQ reductions a deterministic run orders. Both ends of a
+    block's range are nondecreasing in the block, so the blocks reaching a tile are one run."""
+    tile_m, tile_n = query_tile(head_dim), key_tile()
+    q_ids, k_ids = (t.contiguous() for t in doc_ids)
+    b, sq, sk = q_ids.shape[0], q_ids.shape[1], k_ids.shape[1]
+    first_key = torch.arange(0, sk, tile_n, device=q_ids.device)
+    last_key = (first_key + tile_n).clamp(max=sk) - 1
+    # Queries of the documents of each block's first and last key (the range between them).
+    lo = torch.searchsorted(q_ids, k_ids[:, first_key].contiguous(), side="left")
+    hi = torch.searchsorted(q_ids, k_ids[:, last_key].contiguous(), side="right")
+    if causal:
+        lo = torch.maximum(lo, first_key)
+    m_first, m_end = lo // tile_m, (torch.maximum(hi, lo) + tile_m - 1) // tile_m
+    tiles = torch.arange((sq + tile_m - 1) // tile_m, device=q_ids.device).expand(b, -1).contiguous()
+    first_block = torch.searchsorted(m_end.contiguous(), tiles, side="right")
+    last_block = torch.searchsorted(m_first.contiguous(), tiles, side="right") - 1
+    return (*visible_keys(doc_ids), torch.stack((m_first, m_end), -1).int(),
+            torch.stack((first_block, last_block), -1).int())
+
+
 def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc_ids=None):
     """(out, lse). ``out`` (like q) and ``lse`` (float32, (b, h, sq), contiguous last dim) may be
     given preallocated; they are then written and returned. ``config`` (a
@@ -123,12 +144,13 @@ def _added(given, fresh):
 
 
 def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, dv=None,
-             deterministic=False):
+             deterministic=False, doc_ids=None):
     """Gradients of attention with the softmax normalised by the given lse. Given dq/dk/dv
     receive the gradients added to what they hold (fp32 dk/dv by the kernel itself; dq by the
     postprocess that reads the kernel's accumulator). dq may also be the QueryRows of these
     queries (query_state): the kernel then adds into its accumulator and uses its lse2 and
-    delta (lse and out are not read again) and returns it as dq."""
+    delta (lse and out are not read again) and returns it as dq. ``doc_ids``: packed documents
+    (ringfa4.backends), the has_docs variant; K/V blocks no query sees get dK = dV = 0."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = _scale(softmax_scale, d)
@@ -149,9 +171,11 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
                                                 torch.empty_like(v, memory_format=torch.contiguous_format))
     sem = (torch.zeros((b, h, padded_rows(sq, d) // query_tile(d)), dtype=torch.int32, device=q.device)
            if deterministic else None)
-    config = BwdSm90Config(DTYPE_NAMES[q.dtype], d, bool(causal), bool(deterministic), dkv_fp32)
+    config = BwdSm90Config(DTYPE_NAMES[q.dtype], d, bool(causal), bool(deterministic), dkv_fp32,
+                           doc_ids is not None)
+    docs = (None,) * 4 if doc_ids is None else visible_blocks(doc_ids, causal, d)
     compiled(config)(q.detach(), k.detach(), v.detach(), dout, rows.lse2, rows.delta, rows.dq_acc,
-                     dk_out, dv_out, sem, scale)
+                     dk_out, dv_out, sem, *docs, scale)
 
     if rows is not dq:  # dq <- (or +=) the accumulator; a dq it cannot address gets a fresh one added
         add = dq is not None and tma_compatible(dq)

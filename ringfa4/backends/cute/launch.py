@@ -21,6 +21,13 @@ def query_tile(head_dim):
     return query_tile(head_dim)
 
 
+def key_tile():
+    """Rows of the backward kernel's K/V block (one 64-row part per MMA warp group)."""
+    from ringfa4.kernels.dq_layout import NUM_MMA_WG
+
+    return 64 * NUM_MMA_WG
+
+
 @functools.cache
 def num_sms(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
