@@ -23,10 +23,10 @@ def document_attention_fp64(q, k, v, rows, causal, scale=None):
     group = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    ids = documents.ids_at(rows, torch.arange(q.shape[1]).expand(q.shape[0], -1))
+    ids = documents.ids_at(rows, torch.arange(q.shape[1]).expand(q.shape[0], -1)).to(s.device)
     hidden = ids[:, None, :, None] != ids[:, None, None, :]
     if causal:
-        hidden = hidden | torch.ones(s.shape[-2:], dtype=torch.bool).triu(1)
+        hidden = hidden | torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
     s = s.masked_fill(hidden, -math.inf)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # rows that see nothing: out 0 (lse -inf)
