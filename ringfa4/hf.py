@@ -32,13 +32,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 import ringfa4
 from ringfa4.nn import ModelArgs
-from ringfa4.nn.parallel import CP, DP_SHARD, DP_SHARD_CP
+from ringfa4.nn.parallel import fully_shard_blocks
 from ringfa4.ring import layout as ring_layout
 
 IGNORE_INDEX = -100  # transformers' label for "no loss here"
@@ -219,24 +218,15 @@ def fully_shard_model(model, mesh, *, param_dtype=None, activation_checkpointing
     """FSDP2 for a transformers model over every rank of a (dp_shard, cp) mesh (ringfa4.nn.build_mesh).
 
     Each block that transformers keeps whole (``model._no_split_modules``: decoder layers) is its own
-    all-gather / reduce-scatter unit, then the root (embeddings, final norm, head). cp ranks hold
-    other tokens of the same samples, so for parameters they are more data-parallel ranks. Gradients
-    are summed over ranks, since each rank's loss is already its share (causal_lm_loss).
+    unit (ringfa4.nn.parallel.fully_shard_blocks); gradients are summed over ranks, since each
+    rank's loss is already its share (causal_lm_loss).
     """
     blocks = [m for m in model.modules() if type(m).__name__ in set(model._no_split_modules or ())]
     if not blocks:
         raise ValueError(f"{type(model).__name__} names no block class in _no_split_modules to shard by")
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    shard_mesh = mesh[DP_SHARD, CP]._flatten(DP_SHARD_CP)
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=None if param_dtype is None else torch.float32)
-    for block in blocks:
-        fully_shard(block, mesh=shard_mesh, mp_policy=policy)
-    fully_shard(model, mesh=shard_mesh, mp_policy=policy)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
+    return fully_shard_blocks(model, blocks, mesh, param_dtype)
     return model
 
 

@@ -71,16 +71,25 @@ def parallelize(model, mesh, *, layout="zigzag", backend="auto", param_dtype=Non
             # that fully_shard adds around forward stay outside the graph, in eager.
             block.forward = torch.compile(block.forward, fullgraph=True)
     model.compile_loss = compile
+    return fully_shard_blocks(model, model.layers, mesh, param_dtype)
+
+
+def fully_shard_blocks(model, blocks, mesh, param_dtype=None):
+    """FSDP2 over every rank of ``mesh``: each of ``blocks`` is its own all-gather / reduce-scatter
+    unit, then the root (what remains: embeddings, final norm, output). cp ranks hold other tokens
+    of the same samples, so for parameters they are more data-parallel ranks. Returns ``model``.
+
+    Each rank's loss is already its share of the global-batch mean (token sum / global token
+    count), so gradients are summed over ranks, not averaged: a plain SUM reduction, since a
+    custom factor becomes NCCL's PreMulSum, which gloo lacks and which has had bugs.
+    """
     # DeviceMesh._flatten is how torchtitan names the combined dimension; it reuses the mesh's
     # ranks in row-major order instead of building an unrelated world-sized mesh.
     shard_mesh = mesh[mesh.mesh_dim_names]._flatten(DP_SHARD_CP)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=None if param_dtype is None else torch.float32)
-    for block in model.layers:
+    for block in blocks:
         fully_shard(block, mesh=shard_mesh, mp_policy=policy)
     fully_shard(model, mesh=shard_mesh, mp_policy=policy)
-    # Each rank's loss is already its share of the global-batch mean (token sum / global token
-    # count), so gradients must be summed over ranks, not averaged. A plain SUM reduction: a custom
-    # factor otherwise becomes NCCL's PreMulSum, which gloo lacks and which has had bugs.
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
