@@ -102,6 +102,9 @@ class Topology:
     backend: str = "fa4"  # whose kernels: "fa4" (upstream) or "cute" (ours)
     step_overhead_ms: tuple = (0.0, 0.0)  # (forward, backward) per ring step, beyond kernel and memory passes
     overhead_source: str = "none assumed"
+    # The host's time to issue one ring step (launches, Python): a step whose kernels are shorter
+    # waits for the host, so short chunks are launch-bound whatever their FLOPs
+    step_host_ms: float = 0.0
     # (forward, backward) kernel time of the calibration run per kernel-row ms: the fitted slope,
     # applied to the ring's steps and the 1-GPU call alike (it cancels in the efficiency)
     kernel_scale: tuple = (1.0, 1.0)
@@ -147,7 +150,7 @@ def _overhead(cal, backend):
     if step is None:
         return None
     return dict(step_overhead_ms=tuple(step["ms"]), kernel_scale=tuple(step["kernel_scale"]),
-                overhead_source=f"{step['source']} [{cal['_file']}]")
+                step_host_ms=step.get("host_ms", 0.0), overhead_source=f"{step['source']} [{cal['_file']}]")
 
 
 def _assumed(own, measured):
@@ -156,7 +159,8 @@ def _assumed(own, measured):
         return own
     if measured is None:
         return dict(overhead_source="not measured: none assumed")
-    return dict(step_overhead_ms=measured["step_overhead_ms"], overhead_source=f"assumed as on H200: "
+    return dict(step_overhead_ms=measured["step_overhead_ms"], step_host_ms=measured["step_host_ms"],
+                overhead_source=f"assumed as on H200: "
                 f"{measured['overhead_source']}")
 
 
@@ -251,8 +255,10 @@ def _rank_ms(topo, shape, world, steps):
     fwd_bytes, bwd_bytes, outside = _memory_bytes(shape, world, steps, topo.backend != "cute")
     over_f, over_b = topo.step_overhead_ms
     scale_f, scale_b = topo.kernel_scale
-    fwd = [scale_f * _kernel_ms(gpu, shape, "fwd", *s) + _hbm_ms(gpu, n) + over_f for s, n in zip(steps, fwd_bytes)]
-    bwd = [scale_b * _kernel_ms(gpu, shape, "bwd", *s) + _hbm_ms(gpu, n) + over_b
+    host = topo.step_host_ms
+    fwd = [max(host, scale_f * _kernel_ms(gpu, shape, "fwd", *s) + _hbm_ms(gpu, n) + over_f)
+           for s, n in zip(steps, fwd_bytes)]
+    bwd = [max(host, scale_b * _kernel_ms(gpu, shape, "bwd", *s) + _hbm_ms(gpu, n) + over_b)
            for s, n in zip(reversed(steps), bwd_bytes)]
     return fwd, bwd, _hbm_ms(gpu, outside)
 
@@ -516,10 +522,13 @@ def refit(base, paths):
                     and r.get("eager_overhead_us_per_step") is not None]
         if measured:
             us = statistics.median(r["eager_overhead_us_per_step"] for r in measured)
+            host_us = statistics.median(r["host_us_per_step"] for r in measured)
             locals_ = ", ".join(str(r["local"]) for r in measured)
-            cal["step_overhead"][backend] = dict(ms=[us / 1e3, us / 1e3], kernel_scale=[1.0, 1.0], source=(
-                f"bench/simulate.py --overhead: one rank's ring call minus its steps' kernels timed alone, per "
-                f"step, median over local lengths {locals_} at W={measured[0]['world']}"))
+            cal["step_overhead"][backend] = dict(
+                ms=[us / 1e3, us / 1e3], kernel_scale=[1.0, 1.0], host_ms=host_us / 1e3, source=(
+                    f"bench/simulate.py --overhead: one rank's ring call minus its steps' kernels timed alone, "
+                    f"per step, and the host's time to issue a step ({host_us:.0f} us, a floor under every step), "
+                    f"medians over local lengths {locals_} at W={measured[0]['world']}"))
     checks = [_check_row(r) for r in rows if r.get("efficiency") and ("ringfa4_ms" in r or r.get("kind") == "efficiency")]
     if checks:
         kept = [c for c in cal.get("checks", []) if c not in checks]
@@ -568,7 +577,8 @@ def _header(topo, shape):
             f"   {net.name}: {net.gbps:.0f} GB/s + {net.latency_ms * 1e3:.0f} us per transfer ({net.source})",
             f"   HBM {g.hbm_gbps:.0f} GB/s nominal, assumed {HBM_EFFICIENCY:.0%} reached by the memory-bound passes",
             f"   per ring step overhead {topo.step_overhead_ms[0]:.3f} ms forward, {topo.step_overhead_ms[1]:.3f} ms "
-            f"backward ({topo.overhead_source}); not charged to the 1-GPU call: the kernel rows time whole calls",
+            f"backward, no step shorter than the host's {topo.step_host_ms:.3f} ms to issue it "
+            f"({topo.overhead_source}); not charged to the 1-GPU call: the kernel rows time whole calls",
             f"   {'causal' if shape.causal else 'full'} attention, seq {shape.seq}, heads {shape.heads}/{shape.kv_heads}, "
             f"head_dim {shape.head_dim}, {shape.elem * 8}-bit; zigzag layout; a head group is U consecutive GPUs",
             "      W   U x R     seq used  links (a2a/ring)  ring steps fwd|bwd ms  a2a ms   rank ms  1-GPU ms  "

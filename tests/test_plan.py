@@ -166,6 +166,13 @@ def test_a_fixed_step_overhead_does_not_count_as_hiding_transfers():
     assert plan.hiding_chunk(replace(topo, step_overhead_ms=(100.0, 100.0)), shape, 2) == plan.hiding_chunk(topo, shape, 2)
 
 
+def test_no_step_is_shorter_than_the_hosts_time_to_issue_it():
+    topo, shape = _h200(), _shape(seq=8192)
+    p = plan.predict(replace(topo, step_host_ms=5.0), shape, 8)
+    assert min(p.fwd_compute + p.bwd_compute) == pytest.approx(5.0)
+    assert plan.predict(topo, shape, 8).ring_ms < p.ring_ms
+
+
 def test_a_head_group_of_one_is_the_ring_and_a_ring_of_one_is_one_call_per_rank():
     topo, shape = plan.presets()["gb200-nvl72"], _shape(seq=1 << 17)
     ring_only = plan.predict_split(topo, shape, 1, 16)
@@ -238,7 +245,8 @@ def test_bad_arguments_are_named_in_the_error(argv, needle, capsys):
 
 def test_refit_takes_the_simulators_per_step_overhead_and_keeps_earlier_checks(tmp_path):
     rows = [dict(device="NVIDIA H200", kind="overhead", backend="ringfa4.backends.cute", world=8, local=local,
-                 eager_overhead_us_per_step=us) for local, us in ((512, 40.0), (1024, 30.0), (2048, 20.0))]
+                 eager_overhead_us_per_step=us, host_us_per_step=host)
+            for local, us, host in ((512, 40.0, 160.0), (1024, 30.0, 170.0), (2048, 20.0, 180.0))]
     rows.append(dict(device="NVIDIA H200", kind="efficiency", backend="ringfa4.backends.cute", seq=1 << 17, heads=32,
                      kv_heads=8, head_dim=128, causal=True, dtype="bfloat16", world=8, head_world=2, ring_world=4,
                      rank_ms={"0": 40.0}, efficiency=0.9))
@@ -246,6 +254,7 @@ def test_refit_takes_the_simulators_per_step_overhead_and_keeps_earlier_checks(t
     base = _base()
     cal = plan.refit(base, [tmp_path / "simulate.json"])
     assert cal["step_overhead"]["cute"]["ms"] == pytest.approx([0.03, 0.03])
+    assert cal["step_overhead"]["cute"]["host_ms"] == pytest.approx(0.17)
     assert "bench/simulate.py --overhead" in cal["step_overhead"]["cute"]["source"]
     assert cal["step_overhead"]["fa4"] == base["step_overhead"]["fa4"]
     simulated = [c for c in cal["checks"] if c["kind"] == "simulated"]
