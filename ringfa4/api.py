@@ -16,14 +16,25 @@ log = logging.getLogger("ringfa4")
 _logged_choices = set()
 
 
+# Attention's floating dtypes: float8 has no exp/softmax path here and would overflow in the
+# reference's casts, so it is refused by name rather than by an arithmetic error.
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_flag(value, name):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
 def _check_qkv(q, k, v, causal):
+    _check_flag(causal, "causal")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (batch, seq, heads, head_dim), got shape {tuple(t.shape)}")
-    if not q.dtype.is_floating_point:
-        raise TypeError(f"q must have a floating dtype, got {q.dtype}")
+    if q.dtype not in DTYPES:
+        raise TypeError(f"q.dtype must be one of {', '.join(map(str, DTYPES))}, got {q.dtype}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name}.dtype must equal q.dtype ({q.dtype}), got {t.dtype}; ringfa4 never casts")
@@ -36,6 +47,8 @@ def _check_qkv(q, k, v, causal):
         raise ValueError(f"k/v batch must equal q batch {b}, got {bk}")
     if dk != d:
         raise ValueError(f"k/v head_dim must equal q head_dim {d}, got {dk}")
+    if d == 0:
+        raise ValueError(f"head_dim (q.shape[3]) must be positive, got shape {tuple(q.shape)}")
     if hk == 0 or h % hk:
         raise ValueError(f"q heads ({h}) must be a multiple of k/v heads ({hk})")
     if causal and sq != sk:
@@ -45,7 +58,8 @@ def _check_qkv(q, k, v, causal):
 def _softmax_scale(softmax_scale, head_dim):
     if softmax_scale is None:
         return head_dim ** -0.5
-    if not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0 or softmax_scale == float("inf"):
+    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+            or not softmax_scale > 0 or softmax_scale == float("inf")):
         raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale!r}")
     return float(softmax_scale)
 
@@ -149,6 +163,8 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, head_g
     causal work over documents of any lengths; it needs cu_seqlens, in shard and unshard too.
     """
     _check_qkv(q, k, v, causal)
+    _check_flag(deterministic, "deterministic")
+    _check_flag(return_lse, "return_lse")
     ring_layout.check_layout(layout)
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"ring attention needs q and k/v of the same local length, got {q.shape[1]} and {k.shape[1]}")

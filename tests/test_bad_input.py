@@ -20,7 +20,9 @@ def _replace(args, index, value):
 CASES = {
     "q is not a tensor": (lambda: _replace(qkv(), 0, [[1.0]]), {}, TypeError, "q must be a torch.Tensor"),
     "k is 3-D": (lambda: _replace(qkv(), 1, torch.randn(1, 8, 16)), {}, ValueError, "k must be 4-D"),
-    "integer dtype": (lambda: [t.long() for t in qkv()], {}, TypeError, "q must have a floating dtype"),
+    "integer dtype": (lambda: [t.long() for t in qkv()], {}, TypeError, "q.dtype must be one of"),
+    "float8 dtype": (lambda: [t.to(torch.float8_e4m3fn) for t in qkv()], {}, TypeError, "q.dtype must be one of"),
+    "head_dim 0": (lambda: qkv(d=0), {}, ValueError, "must be positive, got shape (1, 8, 4, 0)"),
     "k dtype differs": (lambda: _replace(qkv(), 1, torch.randn(1, 8, 2, 16, dtype=torch.float64)), {}, TypeError, "k.dtype must equal q.dtype"),
     "v on another device": (lambda: _replace(qkv(), 2, torch.randn(1, 8, 2, 16, device="meta")), {}, ValueError, "v must be on q's device"),
     "k and v shapes differ": (lambda: _replace(qkv(), 2, torch.randn(1, 9, 2, 16)), {}, ValueError, "k and v must have the same shape"),
@@ -30,6 +32,8 @@ CASES = {
     "causal with unequal lengths": (lambda: qkv(sq=8, sk=12), {"causal": True}, ValueError, "causal attention needs equal q and k/v sequence lengths"),
     "negative softmax_scale": (qkv, {"softmax_scale": -1.0}, ValueError, "softmax_scale must be a positive finite number"),
     "nan softmax_scale": (qkv, {"softmax_scale": float("nan")}, ValueError, "softmax_scale must be a positive finite number"),
+    "boolean softmax_scale": (qkv, {"softmax_scale": True}, ValueError, "softmax_scale must be a positive finite number"),
+    "causal not a bool": (qkv, {"causal": "yes"}, TypeError, "causal must be True or False"),
     "unknown backend": (qkv, {"backend": "triton"}, ValueError, "backend must be one of"),
     "cute on CPU tensors": (qkv, {"backend": "cute"}, ValueError, "backend 'cute' cannot run these inputs"),
     "fa4 on CPU tensors": (qkv, {"backend": "fa4"}, ValueError, "backend 'fa4' cannot run these inputs: fa4 runs on CUDA"),
@@ -48,6 +52,12 @@ def test_ring_attention_refuses_the_same_bad_input(case):
     make, kwargs, error, _ = CASES[case]
     with pytest.raises(error):
         ringfa4.ring_attention(*make(), **kwargs)
+
+
+@pytest.mark.parametrize("flag", ["deterministic", "return_lse"])
+def test_ring_flags_must_be_booleans(flag):
+    with pytest.raises(TypeError, match=f"{flag} must be True or False"):
+        ringfa4.ring_attention(*qkv(), **{flag: "yes"})
 
 
 def test_unknown_layout_is_refused():
