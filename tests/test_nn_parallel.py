@@ -33,8 +33,7 @@ def single_process_step(args):
 
 def parallel_step(args, dp_shard, cp, layout, recompute, cp_heads, rank, world, local_rank):
     import torch.distributed as dist
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with launch.process_group("cpu", rank, world, local_rank):
         mesh = build_mesh("cpu", dp_shard, cp, cp_heads)
         with torch.device("meta"):
             model = Transformer(args, loss_chunk=LOSS_CHUNK).to(torch.float64)
@@ -45,14 +44,13 @@ def parallel_step(args, dp_shard, cp, layout, recompute, cp_heads, rank, world, 
         rows = slice(mesh.get_local_rank(DP_SHARD) * BATCH // dp_shard, (mesh.get_local_rank(DP_SHARD) + 1) * BATCH // dp_shard)
         tokens, labels, positions = shard_sequence((tokens[rows], labels[rows], positions), mesh[CP].get_group(), layout,
                                                    head_group=head_group(mesh))
+        # The gradients before any optimizer step are what is compared, so not trainer.train_step.
         share = loss_share(model, tokens, labels, positions, BATCH * SEQ_LEN)
         share.backward()
         loss = share.detach().clone()
         dist.all_reduce(loss)
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         return loss.item(), grads
-    finally:
-        dist.destroy_process_group()
 
 
 def assert_same_step(args, dp_shard, cp, layout, recompute, cp_heads=1):
