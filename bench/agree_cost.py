@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import ringfa4  # noqa: E402
 from ringfa4.ring import agree  # noqa: E402
+from ringfa4.train import launch  # noqa: E402
 
 import measure  # noqa: E402
 
@@ -90,3 +91,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    if launch.under_torchrun():  # a rank ends as the trainer's do (see launch.end_process)
+        launch.end_process()

@@ -29,6 +29,7 @@ import ringfa4  # noqa: E402
 from bench import measure  # noqa: E402
 from ringfa4 import backends, flops  # noqa: E402
 from ringfa4.ring import comm, merge, timeline  # noqa: E402
+from ringfa4.train import launch  # noqa: E402
 
 # The ring's bf16 output vs one GPU's: two roundings of values |O| < ~4 apart, never more.
 MAX_DIFF = 3e-2
@@ -239,3 +240,5 @@ def table(rows):
 
 if __name__ == "__main__":
     main()
+    if launch.under_torchrun():  # a rank ends as the trainer's do (see launch.end_process)
+        launch.end_process()

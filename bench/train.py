@@ -201,3 +201,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    if launch.under_torchrun():  # a rank ends as the trainer's do (see launch.end_process)
+        launch.end_process()

@@ -178,3 +178,5 @@ def train(args, device):
 
 if __name__ == "__main__":
     main()
+    if launch.under_torchrun():  # a rank ends as the trainer's do (see launch.end_process)
+        launch.end_process()
