@@ -8,7 +8,6 @@ Tolerance: the ring's error may be at most 2x the error of one GPU running the s
 the whole sequence plus 2x bf16's rounding at the reference's magnitude (tests/gpu/test_ring_nccl.py
 explains the rule). Every rank checks its rows; the verdict is shared so no rank is left waiting.
 """
-import datetime
 import os
 import sys
 
@@ -17,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 import ringfa4
-from ringfa4.ring import comm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from test_documents_ring import document_attention_fp64  # noqa: E402
@@ -26,20 +24,6 @@ pytestmark = pytest.mark.gpu
 
 SEQ = 4096
 ROWS = [[0, 1, 700, 701, 1024, 2048, 3000, 4095, SEQ], [0, 5, SEQ - 5, SEQ]]
-
-
-@pytest.fixture(scope="module")
-def world():
-    if "LOCAL_RANK" not in os.environ:
-        pytest.skip("needs torchrun --nproc_per_node=2 (a process per GPU)")
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=2),
-                                pg_options=comm.nccl_options())
-    return dist.get_world_size()
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])

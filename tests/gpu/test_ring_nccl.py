@@ -11,7 +11,6 @@ kernels hand each step's dK/dV back in bf16 before the fp32 sum. Every rank chec
 the verdict is shared, so a failure on one rank fails the test on all of them instead of leaving
 the other waiting in a collective.
 """
-import datetime
 import faulthandler
 import os
 import sys
@@ -23,7 +22,6 @@ import torch.distributed as dist
 
 import ringfa4
 from ringfa4 import backends
-from ringfa4.ring import comm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from reference import attention_fp64  # noqa: E402
@@ -41,21 +39,6 @@ SHAPES = [(2, 2048, 8, 8, 128), (1, 4096, 8, 2, 128)]
 # not rerun since, so not run here.)
 UNALIGNED = (1, 1000, 4, 2, 128)
 CASES = [(b, s) for s in SHAPES for b in ("fa4", "cute", "torch")] + [(b, UNALIGNED) for b in ("cute", "torch")]
-
-
-@pytest.fixture(scope="module")
-def world():
-    if "LOCAL_RANK" not in os.environ:
-        pytest.skip("needs torchrun --nproc_per_node=2 (a process per GPU)")
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        # short: a rank left waiting in a collective fails the run in 2 minutes, not 10
-        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=2),
-                                pg_options=comm.nccl_options())
-    return dist.get_world_size()
 
 
 @pytest.fixture(autouse=True)
