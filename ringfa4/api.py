@@ -55,6 +55,19 @@ def _check_qkv(q, k, v, causal):
         raise ValueError(f"causal attention needs equal q and k/v sequence lengths, got {sq} and {sk}")
 
 
+def _check_ring(q, k, layout, world, head_world):
+    """A ring's local inputs: a known layout, q and k/v of one local length, heads the head group
+    can split and a global length the layout can cut over ``head_world`` x ``world`` ranks."""
+    ring_layout.check_layout(layout)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"ring attention needs q and k/v of the same local length, got {q.shape[1]} and {k.shape[1]}")
+    heads.check_split(q.shape[2], k.shape[2], head_world)
+    ring_layout.check_divisible(
+        q.shape[1] * head_world * world, world, layout, head_world=head_world,
+        name=f"global sequence length (q.shape[1] = {q.shape[1]} x {head_world * world} ranks)",
+    )
+
+
 def _softmax_scale(softmax_scale, head_dim):
     if softmax_scale is None:
         return head_dim ** -0.5
@@ -165,16 +178,9 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, head_g
     _check_qkv(q, k, v, causal)
     _check_flag(deterministic, "deterministic")
     _check_flag(return_lse, "return_lse")
-    ring_layout.check_layout(layout)
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(f"ring attention needs q and k/v of the same local length, got {q.shape[1]} and {k.shape[1]}")
     world = ring_layout.group_rank_world(group)[1]
     head_world = 1 if head_group is None else ring_layout.group_rank_world(head_group)[1]
-    heads.check_split(q.shape[2], k.shape[2], head_world)
-    ring_layout.check_divisible(
-        q.shape[1] * head_world * world, world, layout, head_world=head_world,
-        name=f"global sequence length (q.shape[1] = {q.shape[1]} x {head_world * world} ranks)",
-    )
+    _check_ring(q, k, layout, world, head_world)
     scale = _softmax_scale(softmax_scale, q.shape[-1])
     layout, rows, docs = _ring_documents(cu_seqlens, q, layout, group, q.shape[1] * head_world * world)
     doc_ids = None if docs is None else docs.local

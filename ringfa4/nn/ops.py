@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ringfa4.api import _check_qkv, _choose_backend, _doc_rows, _ring_documents
+from ringfa4.api import _check_qkv, _check_ring, _choose_backend, _doc_rows, _ring_documents
 from ringfa4.documents import call_kwargs, checksum, local_ids
 from ringfa4.ring import agree, heads
 from ringfa4.ring import layout as ring_layout
@@ -96,11 +96,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale:
     ringfa4.ring_attention. k_last, v_last are the KV block the forward ended with."""
     group = _resolve_process_group(group_name)
     world = ring_layout.group_rank_world(group)[1]
-    ring_layout.check_layout(layout)
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(f"ring attention needs q and k/v of the same local length, got {q.shape[1]} and {k.shape[1]}")
-    ring_layout.check_divisible(q.shape[1] * world, world, layout,
-                                name=f"global sequence length (q.shape[1] = {q.shape[1]} x {world} ranks)")
+    _check_ring(q, k, layout, world, 1)
     layout, rows, docs = _ring_documents(cu_seqlens, q, layout, group, q.shape[1] * world)
     module = _backend_for(backend, q, k, v, causal, None if docs is None else docs.local)
     agree.check(q, k, causal, layout, softmax_scale, False, group, None,
@@ -160,9 +156,7 @@ def heads_ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_
     ended with (empty for a one-rank ring)."""
     group, head = _resolve_process_group(group_name), _resolve_process_group(head_group_name)
     world, head_world = ring_layout.group_rank_world(group)[1], ring_layout.group_rank_world(head)[1]
-    heads.check_split(q.shape[2], k.shape[2], head_world)
-    ring_layout.check_divisible(q.shape[1] * head_world * world, world, layout, head_world=head_world,
-                                name=f"global sequence length (q.shape[1] = {q.shape[1]} x {head_world * world} ranks)")
+    _check_ring(q, k, layout, world, head_world)
     layout, rows, docs = _ring_documents(cu_seqlens, q, layout, group, q.shape[1] * head_world * world)
     doc_ids = None if docs is None else docs.local
     module = _backend_for(backend, q, k, v, causal, doc_ids)
