@@ -2,21 +2,28 @@
 total length and (b) PyTorch's context_parallel ring over cuDNN SDPA, on the same inputs, in one run.
 
     torchrun --nproc_per_node=2 bench/ring.py --commit $(git rev-parse --short HEAD)
+    torchrun --nproc_per_node=2 bench/ring.py --head-groups 1,2   # U x R = 1 x 2 and 2 x 1 side by side
     torchrun --nproc_per_node=2 bench/ring.py --smoke      # CPU (gloo), torch backend, tiny shapes
 
 Batch 1, hdim 128, bf16; heads/kv_heads 32/32 and 32/8; total causal sequence 16k..128k plus
 non-causal 32k. Times are per fwd+bwd call, CUDA events around a fixed number of calls after
-warm-up, the slowest rank's, the median of rounds in which the 1-GPU call, the ring and
-PyTorch's ring take turns (see Timer). FLOPs 3.5 * 4*s*s*h*d (halved for causal): backward = 2.5x forward.
-efficiency = single_ms / (W * ringfa4_ms). PyTorch's ring gets the same q, k, v with kv heads
-repeated to the query heads (its SDPA path takes no GQA; torchtitan does the same), default
-rotate method and load balancer (disabled for non-causal, which it refuses otherwise).
-One more ring call per row runs under ringfa4.ring.timeline: per-step compute, merge and transfer
-times from CUDA events. Before timing, the ring's output is compared with the single-GPU one, so
-nothing wrong is timed. Rows go to ring.json in a temporary directory, --out-dir DIR, or with
---record bench/results/ring.json (bench/measure.py); a markdown table is printed last.
+warm-up, the slowest rank's, the median of rounds in which the 1-GPU call, the ring of every
+head-group split and PyTorch's ring take turns (see Timer). A split U x R (--head-groups, U
+dividing W) is ringfa4's 2-D context parallelism: all-to-alls over a head group of U consecutive
+ranks around a ring over R = W / U (ringfa4.nn.parallel.build_mesh lays the groups out as the
+trainer does); U = 1 is the plain ring, R = 1 pure head parallelism. FLOPs 3.5 * 4*s*s*h*d
+(halved for causal): backward = 2.5x forward. efficiency = single_ms / (W * ringfa4_ms).
+PyTorch's ring gets the same q, k, v with kv heads repeated to the query heads (its SDPA path
+takes no GQA; torchtitan does the same), default rotate method and load balancer (disabled for
+non-causal, which it refuses otherwise). One more call per split runs under
+ringfa4.ring.timeline: per-step compute, merge and transfer times from CUDA events. Before
+timing, every split's output is compared with the single-GPU one, so nothing wrong is timed.
+Rows go to ring.json in a temporary directory, --out-dir DIR, or with --record
+bench/results/ring.json (bench/measure.py); a markdown table is printed last. `python -m
+ringfa4.plan --refit` takes these rows to check its predictions against (U x R rows included).
 """
 import contextlib
+import functools
 import os
 import sys
 
@@ -28,6 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import ringfa4  # noqa: E402
 from bench import measure  # noqa: E402
 from ringfa4 import backends, flops  # noqa: E402
+from ringfa4.nn import parallel  # noqa: E402
 from ringfa4.ring import comm, merge, timeline  # noqa: E402
 from ringfa4.train import launch  # noqa: E402
 
@@ -42,6 +50,7 @@ def parse_args():
     p.add_argument("--full-seqs", default="32768", help="total non-causal sequence lengths")
     p.add_argument("--heads", default="32:32,32:8", help="heads:kv_heads pairs")
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--head-groups", default="1", help="comma list of head-group sizes U (each divides the world; 1: plain ring)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iters", type=int, default=3, help="calls per round")
     p.add_argument("--rounds", type=int, default=3, help="rounds, taken in turn by the contenders of a row")
@@ -50,6 +59,7 @@ def parse_args():
     if args.smoke:
         args.backends, args.seqs, args.full_seqs, args.heads, args.head_dim = "torch", "256", "256", "4:4,4:2", 32
     measure.check_output_args(p, args, args.smoke)
+    args.head_groups = [int(u) for u in args.head_groups.split(",")]
     return args
 
 
@@ -146,6 +156,12 @@ def main():
     say(f"# bench/ring.py {meta}", flush=True)
     rows = measure.Rows(measure.output_dir(args) / "ring.json" if rank == 0 else None)
 
+    splits = {}  # U -> (ring group, head group or None), as the trainer's mesh lays them out
+    for u in args.head_groups:
+        if u < 1 or world % u:
+            raise SystemExit(f"--head-groups: {u} does not divide the world size {world}")
+        grid = parallel.build_mesh(device.type, 1, world, cp_heads=u)
+        splits[u] = grid[parallel.CP].get_group(), parallel.head_group(grid)
     heads = [tuple(int(x) for x in pair.split(":")) for pair in args.heads.split(",")]
     configs = [(int(s), True) for s in args.seqs.split(",")] + [(int(s), False) for s in args.full_seqs.split(",")]
     for h, hk in heads:
@@ -158,48 +174,59 @@ def main():
                 if reason is not None:
                     say(f"backend {name}: skipped, {reason}", flush=True)
                     continue
-                full = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-                local = [ringfa4.shard(t).detach().requires_grad_() for t in (q, k, v)]
-                dout_local = ringfa4.shard(dout)
 
                 def single_attn(q_, k_, v_):
                     return ringfa4.attention(q_, k_, v_, causal=causal, backend=name)[0]
 
-                def ring_attn(q_, k_, v_):
-                    return ringfa4.ring_attention(q_, k_, v_, causal=causal, backend=name)
-
-                single = fwd_bwd(single_attn, full, dout)
-                ring = fwd_bwd(ring_attn, local, dout_local)
-                diff = (ring().float() - ringfa4.shard(single()).float()).abs().max()
-                dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-                if not diff.item() < MAX_DIFF:
-                    raise RuntimeError(f"ring output differs from one GPU's by {diff.item():.3g} ({name} seq={seq} causal={causal})")
+                single = fwd_bwd(single_attn, [t.detach().clone().requires_grad_() for t in (q, k, v)], dout)
+                expected = single()
+                rings, diffs = {}, {}
+                for u, (group, head_group) in splits.items():
+                    if h % u or not (hk % u == 0 or u % hk == 0):
+                        say(f"U={u}: skipped, heads {h}/{hk} do not split over it", flush=True)
+                        continue
+                    part = functools.partial(ringfa4.shard, group=group, head_group=head_group)
+                    local = [part(t).detach().requires_grad_() for t in (q, k, v)]
+                    rings[u] = fwd_bwd(functools.partial(ringfa4.ring_attention, causal=causal, backend=name,
+                                                         group=group, head_group=head_group), local, part(dout))
+                    diff = (rings[u]().float() - part(expected).float()).abs().max()
+                    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+                    if not diff.item() < MAX_DIFF:
+                        raise RuntimeError(f"U={u} output differs from one GPU's by {diff.item():.3g} "
+                                           f"({name} seq={seq} causal={causal})")
+                    diffs[u] = diff.item()
+                del expected
                 with contextlib.ExitStack() as stack:
                     cp, cp_rotate, cp_error = enter_torch_cp(stack, q, k, v, dout, causal, mesh, say)
-                    single_ms, ring_ms, *cp_ms = timer(single, ring, *([cp] if cp else []))
-                    cp_ms = cp_ms[0] if cp_ms else None
+                    single_ms, *ring_ms = timer(single, *rings.values(), *([cp] if cp else []))
+                    cp_ms = ring_ms.pop() if cp else None
+                    mallocs = timer.mallocs
                     del cp  # its closure holds PyTorch's buffers: free them with the context
-                with timeline.recording() as tl:
-                    ring()
-                by_rank = [None] * world
-                dist.all_gather_object(by_rank, summarize(tl.milliseconds()) if device.type == "cuda" else {})
-                row = dict(meta, seq=seq, causal=causal, heads=h, kv_heads=hk, head_dim=d, dtype=str(dtype).split(".")[-1],
-                           backend=name, ringfa4_ms=round(ring_ms, 3), single_ms=round(single_ms, 3),
-                           efficiency=round(single_ms / (world * ring_ms), 4),
-                           tflops_per_gpu=round(flops.tflops(work / world, ring_ms), 1),
-                           single_tflops=round(flops.tflops(work, single_ms), 1),
-                           torch_cp_ms=None if cp_ms is None else round(cp_ms, 3),
-                           torch_cp_tflops_per_gpu=None if cp_ms is None else round(flops.tflops(work / world, cp_ms), 1),
-                           torch_cp_rotate=cp_rotate, torch_cp_error=cp_error,
-                           max_abs_diff_vs_single=float(f"{diff.item():.3g}"),
-                           device_mallocs_while_timed=dict(zip(("single", "ring", "torch_cp"), timer.mallocs)),
-                           kv_bytes_per_step=2 * (seq // world) * hk * d * q.element_size(),
-                           step_ms=by_rank[0], step_ms_by_rank=by_rank)
-                if device.type == "cuda" and seq // world == 16384 and causal:
-                    fused, eager = merge_microbench(timer, seq // world, h, d, device)
-                    row.update(merge_fused_ms=round(fused, 4), merge_eager_ms=round(eager, 4))
-                rows.add(row)
-                del full, local, single, ring
+                for i, (u, ring) in enumerate(rings.items()):
+                    with timeline.recording() as tl:
+                        ring()
+                    by_rank = [None] * world
+                    dist.all_gather_object(by_rank, summarize(tl.milliseconds()) if device.type == "cuda" else {})
+                    r_world = world // u
+                    row = dict(meta, seq=seq, causal=causal, heads=h, kv_heads=hk, head_dim=d,
+                               dtype=str(dtype).split(".")[-1], backend=name, head_world=u, ring_world=r_world,
+                               ringfa4_ms=round(ring_ms[i], 3), single_ms=round(single_ms, 3),
+                               efficiency=round(single_ms / (world * ring_ms[i]), 4),
+                               tflops_per_gpu=round(flops.tflops(work / world, ring_ms[i]), 1),
+                               single_tflops=round(flops.tflops(work, single_ms), 1),
+                               torch_cp_ms=None if cp_ms is None else round(cp_ms, 3),
+                               torch_cp_tflops_per_gpu=None if cp_ms is None else round(flops.tflops(work / world, cp_ms), 1),
+                               torch_cp_rotate=cp_rotate, torch_cp_error=cp_error,
+                               max_abs_diff_vs_single=float(f"{diffs[u]:.3g}"),
+                               device_mallocs_while_timed={"single": mallocs[0], "ring": mallocs[1 + i],
+                                                           "torch_cp": mallocs[-1] if cp_ms is not None else None},
+                               kv_bytes_per_step=2 * (seq // world) * hk * d * q.element_size() if r_world > 1 else None,
+                               step_ms=by_rank[0], step_ms_by_rank=by_rank)
+                    if device.type == "cuda" and u == 1 and seq // world == 16384 and causal:
+                        fused, eager = merge_microbench(timer, seq // world, h, d, device)
+                        row.update(merge_fused_ms=round(fused, 4), merge_eager_ms=round(eager, 4))
+                    rows.add(row)
+                del single, rings
             del q, k, v, dout
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -222,16 +249,16 @@ def _mean_ms(spans, key):
 def table(rows):
     """Markdown: timings, efficiency, PyTorch's ring, and rank 0's per-step timeline (means over
     steps; "-": no such transfer, e.g. no KV travels in a 2-rank backward)."""
-    lines = ["| backend | seq | causal | heads/kv | ringfa4 ms | 1-GPU ms | efficiency | TFLOP/s/GPU | torch CP TFLOP/s/GPU | vs torch CP "
+    lines = ["| backend | U x R | seq | causal | heads/kv | ringfa4 ms | 1-GPU ms | efficiency | TFLOP/s/GPU | torch CP TFLOP/s/GPU | vs torch CP "
              "| fwd step: compute / kv / merge ms | bwd step: compute / kv / dkv / dkv wait ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cp, s = r["torch_cp_tflops_per_gpu"], r["step_ms"]
         cp_cells = ("n/a", "n/a") if cp is None else (f"{cp:.0f}", f"{r['tflops_per_gpu'] / cp:.2f}x")
         fwd = " / ".join(_mean_ms(s, k) for k in ("fwd_compute", "fwd_kv", "fwd_merge"))
         bwd = " / ".join(_mean_ms(s, k) for k in ("bwd_compute", "bwd_kv", "bwd_dkv", "bwd_wait_dkv"))
         lines.append(
-            f"| {r['backend']} | {_tokens(r['seq'])} | {'yes' if r['causal'] else 'no'} | {r['heads']}/{r['kv_heads']} "
+            f"| {r['backend']} | {r['head_world']} x {r['ring_world']} | {_tokens(r['seq'])} | {'yes' if r['causal'] else 'no'} | {r['heads']}/{r['kv_heads']} "
             f"| {r['ringfa4_ms']:.2f} | {r['single_ms']:.2f} | {r['efficiency']:.3f} | {r['tflops_per_gpu']:.0f} "
             f"| {cp_cells[0]} | {cp_cells[1]} | {fwd} | {bwd} |"
         )

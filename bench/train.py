@@ -112,7 +112,8 @@ def worker(opts, rank, world, local_rank):
         rows = [measure_impl("ringfa4", job, opts, device)]
         failed = None
         try:
-            rows.append(measure_impl("torch_cp", job, opts, device))
+            if "torch_cp" in opts.impls:
+                rows.append(measure_impl("torch_cp", job, opts, device))
         except Exception as e:  # kept in the results and printed; on GPU the run then exits non-zero
             failed = f"torch_cp could not run on {device.type}: {type(e).__name__}: {str(e).splitlines()[0]}"
         return {"rows": rows, "torch_cp_failed": failed, "world": world, "n_layers": job.model.n_layers,
@@ -131,6 +132,8 @@ def parse_args():
     p.add_argument("--activation-checkpointing", choices=ACTIVATION_CHECKPOINTING, default="full",
                    help="what each block recomputes in backward (train.activation_checkpointing; default full)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (train.compile)")
+    p.add_argument("--no-torch-cp", dest="impls", action="store_const", const=("ringfa4",), default=("ringfa4", "torch_cp"),
+                   help="time ringfa4 alone (a long shape whose PyTorch run would double the time; the table says so)")
     p.add_argument("--n-layers", type=int, default=None,
                    help="layers of the model preset, overridden (e.g. llama3-8b's shape on one GPU, whose "
                         "32 layers' fp32 weights and AdamW state do not fit)")
@@ -157,7 +160,7 @@ def report(opts, result):
                "cp": result["world"], "dp_shard": 1, "global_batch": 1, "dtype": "fp32" if opts.tiny else "bf16",
                "activation_checkpointing": opts.activation_checkpointing, "compile": opts.compile,
                "n_layers": result["n_layers"], "steps": opts.steps, "warmup": opts.warmup,
-               "rows": result["rows"], "torch_cp_failed": result["torch_cp_failed"]}
+               "rows": result["rows"], "torch_cp_failed": result["torch_cp_failed"], "impls": list(opts.impls)}
     if "torch_cp" in rows:
         # Same weights, same first batch: the two rings must agree on the first loss (bf16 noise).
         a, b = rows["ringfa4"]["losses"][0], rows["torch_cp"]["losses"][0]
@@ -175,6 +178,8 @@ def report(opts, result):
         print(f"| {r['impl']} | {r['backend']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
               f"{r['tflops_per_gpu']:.2f} | {mfu} | {r['peak_mem_gib']:.1f} | "
               f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} |")
+    if "torch_cp" not in opts.impls:
+        print("torch_cp: not run (--no-torch-cp)")
     if "torch_cp" in rows:
         print(f"first-step loss ringfa4 vs torch_cp: relative difference {summary['first_loss_rel_diff']:.2e}")
         print(f"ringfa4 / torch_cp tokens/s: {rows['ringfa4']['tokens_per_s'] / rows['torch_cp']['tokens_per_s']:.2f}x")

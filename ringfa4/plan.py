@@ -503,14 +503,15 @@ def refit(base, paths):
             rest = "" if len(fitted) == 4 else f"; the other curves: {cal['kernels'][backend]['source']}"
             cal["kernels"][backend]["source"] = (f"{', '.join(fitted)}: {backend} kernels measured by bench/kernels.py "
                                                  f"({files}), the best reading at or below each length{rest}")
-    transfers = [(r["kv_bytes_per_step"], ms) for r in rows if r.get("kv_bytes_per_step")
+    transfers = [(r["kv_bytes_per_step"], ms) for r in rows if r.get("kv_bytes_per_step") and r.get("head_world", 1) == 1
                  for ms in r.get("step_ms", {}).get("fwd_kv", [])]
     if transfers:
         link = fit_link(cal["nvlink"]["name"], transfers, "")
         cal["nvlink"].update(gbps=link.gbps, latency_ms=link.latency_ms, source=f"fit to {len(transfers)} "
                              f"forward KV transfers of bench/ring.py on 2 GPUs")
     for backend in ("fa4", "cute"):
-        timelines = [r for r in rows if r.get("backend") == backend and r.get("step_ms_by_rank")]
+        timelines = [r for r in rows if r.get("backend") == backend and r.get("step_ms_by_rank")
+                     and r.get("head_world", 1) == 1]
         if timelines:
             overhead, slope, n = fit_step_overhead(_bare(dict(cal, _file=""), backend), timelines)
             cal["step_overhead"][backend] = dict(ms=list(overhead), kernel_scale=list(slope), source=(
@@ -598,10 +599,11 @@ def _check_lines(topo):
     for r in topo.checks:
         shape = _row_shape(r)
         if r["kind"] == "ring":
-            p = predict(topo, shape, r["world"])
-            out.append(f"   ring      {r['seq']:8d} W={r['world']:<3d} 1 x {r['world']:<3d} efficiency {r['efficiency']:.3f}"
-                       f" | {p.efficiency:.3f} ({_err(p.efficiency, r['efficiency'])})   ring ms {r['ringfa4_ms']:.2f} | "
-                       f"{p.ring_ms:.2f} ({_err(p.ring_ms, r['ringfa4_ms'])})")
+            u = r.get("head_world", 1)
+            s = predict_split(topo, shape, u, r["world"] // u)
+            out.append(f"   ring      {r['seq']:8d} W={r['world']:<3d} {u} x {r['world'] // u:<3d} efficiency "
+                       f"{r['efficiency']:.3f} | {s.efficiency:.3f} ({_err(s.efficiency, r['efficiency'])})   ring ms "
+                       f"{r['ringfa4_ms']:.2f} | {s.rank_ms:.2f} ({_err(s.rank_ms, r['ringfa4_ms'])})")
         else:
             s = predict_split(topo, shape, r["head_world"], r["ring_world"], links=False)
             measured = max(r["rank_ms"].values())

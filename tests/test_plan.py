@@ -218,7 +218,8 @@ def test_measured_rows_in_the_calibration_are_printed_beside_the_prediction(tmp_
                     dtype="bfloat16", efficiency=0.9, ringfa4_ms=30.0, single_ms=54.0)
     sim_row = dict(kind="simulated", backend="fa4", world=8, head_world=2, ring_world=4, seq=1 << 17, causal=True,
                    heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", efficiency=0.8, rank_ms={"0": 40.0, "3": 41.0})
-    cal["checks"] = [ring_row, sim_row]
+    heads_row = dict(ring_row, head_world=2, ring_world=1, efficiency=0.8, ringfa4_ms=33.0)
+    cal["checks"] = [ring_row, heads_row, sim_row]
     path = tmp_path / "calibration-h200.json"
     path.write_text(json.dumps({k: v for k, v in cal.items() if k != "_file"}))
     plan.main(["--preset", "h200-x2", "--calibration", str(path), "--worlds", "2"])
@@ -226,6 +227,8 @@ def test_measured_rows_in_the_calibration_are_printed_beside_the_prediction(tmp_
     topo = plan.presets("fa4", {"H200": plan.load_calibration(str(path)), "H100": _base() | {"gpu": "H100"}})["h200-x2"]
     p = plan.predict(topo, _shape(), 2)
     assert f"efficiency 0.900 | {p.efficiency:.3f} ({p.efficiency / 0.9 - 1:+6.1%})" in out
+    u2 = plan.predict_split(topo, _shape(), 2, 1)  # a measured 2 x 1 row meets the model of all-to-alls, links included
+    assert f"W=2   2 x 1   efficiency 0.800 | {u2.efficiency:.3f}" in out and f"ring ms 33.00 | {u2.rank_ms:.2f}" in out
     s = plan.predict_split(topo, _shape(seq=1 << 17), 2, 4, links=False)
     assert f"rank ms 41.00 | {s.rank_ms:.2f} ({s.rank_ms / 41 - 1:+6.1%})" in out and str(path) in out
 
