@@ -18,7 +18,8 @@ of the dK/dV sums; their bytes at the GPU's HBM bandwidth) + a fixed per-step ov
 outside the steps (casts, zeroing, later dK/dV sums) add their bytes once.
 Heads x ring (ringfa4.ring.heads): a head group of U consecutive ranks trades sequence for heads by
 all-to-alls (q, k, v, out forward; dout, dq, dk, dv backward), exposed, over NVLink when U fits the
-domain, each also packing and unpacking its tensor in HBM; the ring then runs over R = W/U ranks on
+domain (at the all-to-all's own fit where the calibration has one: bench/ring.py U x 1 rows), each
+also packing and unpacking its tensor in HBM; the ring then runs over R = W/U ranks on
 h/U heads (kv heads split, or one each when U exceeds them) of S/R tokens per rank. R = 1 is one
 call per rank on the whole sequence. efficiency = t(1 GPU) / (W * t(rank)).
 Kernel time = FLOPs (ringfa4.flops) / TFLOP/s of the backend at the step's own loop length (keys per
@@ -109,9 +110,15 @@ class Topology:
     # applied to the ring's steps and the 1-GPU call alike (it cancels in the efficiency)
     kernel_scale: tuple = (1.0, 1.0)
     checks: tuple = ()  # measured rows (ring and simulated) of this GPU to print beside the model
+    # The head group's all-to-alls within the domain, when measured apart from the ring's transfers
+    # (one exchange among all members costs a different fixed time than a ring's send/recv pair)
+    all_to_all: "Link | None" = None
 
     def link(self, world):
         return self.nvlink if world <= self.domain else self.network
+
+    def a2a_link(self, head_world):
+        return (self.all_to_all or self.nvlink) if head_world <= self.domain else self.network
 
 
 # ---------------------------------------------------------------- calibration files
@@ -142,6 +149,17 @@ def _gpu_and_link(cal, backend):
     gpu = Gpu(cal["gpu"], cal["hbm_gbps"], _curves(kernels["tflops"]), f"{kernels['source']} [{f}]")
     nv = cal["nvlink"]
     return gpu, Link(nv["name"], nv["gbps"], nv["latency_ms"], f"{nv['source']} [{f}]")
+
+
+def _all_to_all(cal, scale=1.0, assumed=None, name=None):
+    """The all-to-all link fitted in ``cal`` (bandwidth times ``scale``; ``assumed`` labels a
+    transfer to another fabric, ``name`` names it), or None where the file has none."""
+    a2a = cal.get("nvlink_all_to_all")
+    if a2a is None:
+        return None
+    source = f"{a2a['source']} [{cal['_file']}]"
+    return Link(name or a2a["name"], a2a["gbps"] * scale, a2a["latency_ms"],
+                f"assumed: {assumed} ({source})" if assumed else source)
 
 
 def _overhead(cal, backend):
@@ -182,13 +200,18 @@ def presets(backend="fa4", calibrations=None):
     on_h100 = _assumed(_overhead(cals["H100"], backend), measured)
     checks = tuple(dict(r, _file=cals["H200"]["_file"]) for r in cals["H200"].get("checks", ())
                    if r.get("backend") == backend)
+    a2a = _all_to_all(cals["H200"])
+    a2a_h100 = _all_to_all(cals["H100"]) or _all_to_all(cals["H200"], assumed="as on 2 x H200")
+    a2a_nv5 = _all_to_all(cals["H200"], NVLINK5_NOMINAL_GBPS / NVLINK4_NOMINAL_GBPS,
+                          assumed="the 2 x H200 fit with NVLink5's bandwidth (x2)", name="NVLink5 all-to-all")
     return {
         "h200-x2": Topology("h200-x2", "2 x H200 on NVLink (the lent machine); more GPUs across IB 400G",
-                            h200, 2, nv4, ib, backend, checks=checks, **on_h200),
+                            h200, 2, nv4, ib, backend, checks=checks, all_to_all=a2a, **on_h200),
         "h100-node": Topology("h100-node", "8 x H100 on NVLink (one HGX node); more GPUs across IB 400G",
-                              h100, 8, nv4_h100, ib, backend, **on_h100),
+                              h100, 8, nv4_h100, ib, backend, all_to_all=a2a_h100, **on_h100),
         "gb200-nvl72": Topology("gb200-nvl72", "72 x GB200 in one NVLink domain (900 GB/s per direction per GPU); "
-                                "144+ across racks over IB 400G", gb200, 72, nv5, ib, backend, **_assumed(None, measured)),
+                                "144+ across racks over IB 400G", gb200, 72, nv5, ib, backend, all_to_all=a2a_nv5,
+                                **_assumed(None, measured)),
         "ib-400g": Topology("ib-400g", "H100 ranks on different nodes: every hop over InfiniBand 400 Gb/s per GPU",
                             h100, 1, nv4_h100, ib, backend, **on_h100),
     }
@@ -368,18 +391,19 @@ def splits_heads(heads, kv_heads, head_world):
     return heads % head_world == 0 and (kv_heads % head_world == 0 or head_world % kv_heads == 0)
 
 
-def _a2a_ms(topo, shape, head_world, ring_world, link):
-    """The rank's all-to-alls of one fwd+bwd call: q, k, v, out forward, dout, dq, dk, dv backward
-    (lse's is a few bytes). Of its L = S/(U*R) rows, each sends what the U-1 other members' heads
-    need (a kv head read by several members goes to each) and packs and unpacks the whole exchange
-    in HBM (two copies: read + write each)."""
+def _a2a_traffic(shape, head_world, ring_world):
+    """(bytes sent, bytes packed) of each of the rank's all-to-alls in one fwd+bwd call: q, k, v, out
+    forward, dout, dq, dk, dv backward (lse's is a few bytes). Of its L = S/(U*R) rows, each sends
+    what the U-1 other members' heads need (a kv head read by several members goes to each) and
+    packs and unpacks the whole exchange in HBM (two copies: read + write each)."""
     L, u, d, e = shape.seq // (head_world * ring_world), head_world, shape.head_dim, shape.elem
     per_member = {"q": shape.heads // u, "kv": max(1, shape.kv_heads // u)}
-    ms = 0.0
-    for name in ("q", "kv", "kv", "q") * 2:
-        sent = (u - 1) * L * per_member[name] * d * e
-        ms += link.ms(sent) + _hbm_ms(topo.gpu, 4 * u * L * per_member[name] * d * e)
-    return ms
+    return [((u - 1) * L * per_member[name] * d * e, 4 * u * L * per_member[name] * d * e)
+            for name in ("q", "kv", "kv", "q") * 2]
+
+
+def _a2a_ms(topo, shape, head_world, ring_world, link):
+    return sum(link.ms(sent) + _hbm_ms(topo.gpu, packed) for sent, packed in _a2a_traffic(shape, head_world, ring_world))
 
 
 def predict_split(topo, shape, head_world, ring_world, links=True):
@@ -390,7 +414,7 @@ def predict_split(topo, shape, head_world, ring_world, links=True):
         seq = nearest_length(seq, ring_world, "zigzag", head_world, align=ALIGN)
     full = replace(shape, seq=seq)
     mine = replace(full, heads=shape.heads // head_world, kv_heads=max(1, shape.kv_heads // head_world))
-    a2a = FREE_LINK if not links else topo.link(head_world)
+    a2a = FREE_LINK if not links else topo.a2a_link(head_world)
     ring_link = FREE_LINK if not links else topo.link(world)
     a2a_ms = _a2a_ms(topo, full, head_world, ring_world, a2a) if head_world > 1 else 0.0
     ring = predict(topo, mine, ring_world, ring_link) if ring_world > 1 else None
@@ -447,6 +471,22 @@ def fit_link(name, points, source):
     slope = sum((b - mx) * (t - my) for b, t in points) / sxx  # ms per byte
     latency = max(0.0, my - slope * mx)
     return Link(name, 1e3 / slope / 1e9 if slope > 0 else float("inf"), latency, source)
+
+
+def fit_all_to_all(gpu, hbm_gbps, rows):
+    """Latency + bytes/bandwidth of one all-to-all, from bench/ring.py rows of U x 1 splits (pure
+    head parallelism, no ring): the rank's time beyond its attention, with that attention taken as
+    the measured 1-GPU call's 1/U (the same kernels on 1/U of the heads), minus the packing's HBM
+    time, is its 8 exchanges' time; a line through (bytes sent, that time) over the rows."""
+    hbm = Gpu(gpu, hbm_gbps, {}, "")
+    points = []
+    for r in rows:
+        traffic = _a2a_traffic(_row_shape(r), r["head_world"], 1)
+        exposed = r["ringfa4_ms"] - r["single_ms"] / r["head_world"] - sum(_hbm_ms(hbm, p) for _, p in traffic)
+        points.append((sum(sent for sent, _ in traffic), exposed))
+    line = fit_link("", points, "")
+    return Link("", line.gbps, line.latency_ms / 8, f"fit to {len(points)} U x 1 rows of bench/ring.py on "
+                f"{rows[0]['world']} GPUs: the call's time beyond the 1-GPU call's 1/U, less the packing")
 
 
 def fit_step_overhead(topo, rows):
@@ -518,6 +558,11 @@ def refit(base, paths):
                 f"intercept of a Theil-Sen line through {n} step compute spans of bench/ring.py against this "
                 f"model's kernel + memory time; its slopes {slope[0]:.3f} / {slope[1]:.3f} (that run's kernels "
                 f"vs the kernel rows) scale the kernel times of the ring and the 1-GPU call"))
+    heads_only = [r for r in rows if r.get("head_world", 1) > 1 and r.get("ring_world") == 1 and "ringfa4_ms" in r]
+    if heads_only:
+        link = fit_all_to_all(cal["gpu"], cal["hbm_gbps"], heads_only)
+        cal["nvlink_all_to_all"] = dict(name=f"{cal['nvlink']['name']} all-to-all", gbps=link.gbps,
+                                        latency_ms=link.latency_ms, source=link.source)
     for backend in ("fa4", "cute"):
         measured = [r for r in rows if r.get("kind") == "overhead" and _backend_name(r["backend"]) == backend
                     and r.get("eager_overhead_us_per_step") is not None]
@@ -576,6 +621,9 @@ def _header(topo, shape):
             f"   kernel TFLOP/s ({topo.backend}): {g.source}",
             f"   {nv.name}: {nv.gbps:.0f} GB/s + {nv.latency_ms * 1e3:.0f} us per transfer ({nv.source})",
             f"   {net.name}: {net.gbps:.0f} GB/s + {net.latency_ms * 1e3:.0f} us per transfer ({net.source})",
+            *([] if topo.all_to_all is None else [
+                f"   {topo.all_to_all.name}: {topo.all_to_all.gbps:.0f} GB/s + {topo.all_to_all.latency_ms * 1e3:.0f} us "
+                f"per exchange ({topo.all_to_all.source})"]),
             f"   HBM {g.hbm_gbps:.0f} GB/s nominal, assumed {HBM_EFFICIENCY:.0%} reached by the memory-bound passes",
             f"   per ring step overhead {topo.step_overhead_ms[0]:.3f} ms forward, {topo.step_overhead_ms[1]:.3f} ms "
             f"backward, no step shorter than the host's {topo.step_host_ms:.3f} ms to issue it "

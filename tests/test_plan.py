@@ -262,3 +262,30 @@ def test_refit_takes_the_simulators_per_step_overhead_and_keeps_earlier_checks(t
     assert cal["step_overhead"]["fa4"] == base["step_overhead"]["fa4"]
     simulated = [c for c in cal["checks"] if c["kind"] == "simulated"]
     assert simulated and simulated[0]["backend"] == "cute" and len(cal["checks"]) == len(base["checks"]) + 1
+
+
+def test_refit_takes_the_all_to_all_from_head_parallel_rows_and_the_model_uses_it(tmp_path):
+    """U x 1 rows whose time beyond the 1-GPU call's 1/U is 8 exchanges of a known link plus the
+    packing give back that link; the split model then charges it, and a plain ring row leaves it alone."""
+    base = _base()
+    hbm = plan.Gpu("H200", base["hbm_gbps"], {}, "")
+    true = plan.Link("x", 150.0, 0.04, "")
+    rows = []
+    for seq in (16384, 65536, 131072):
+        shape = plan.Shape(32, 8, 128, seq, True, 2)
+        traffic = plan._a2a_traffic(shape, 2, 1)
+        a2a = sum(true.ms(sent) + plan._hbm_ms(hbm, packed) for sent, packed in traffic)
+        rows.append(dict(device="NVIDIA H200", backend="cute", world=2, head_world=2, ring_world=1, seq=seq, causal=True,
+                         heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", single_ms=seq / 100.0,
+                         ringfa4_ms=seq / 200.0 + a2a, efficiency=0.9))
+    (tmp_path / "r.json").write_text(json.dumps(rows))
+    cal = plan.refit(base, [tmp_path / "r.json"])
+    fitted = cal["nvlink_all_to_all"]
+    assert fitted["gbps"] == pytest.approx(150.0) and fitted["latency_ms"] == pytest.approx(0.04)
+    assert cal["nvlink"] == base["nvlink"]  # the ring's link is fitted from ring transfers only
+    path = tmp_path / "calibration-h200.json"
+    path.write_text(json.dumps(cal))
+    topo = plan.presets("cute", {"H200": plan.load_calibration(str(path)), "H100": base | {"gpu": "H100"}})["h200-x2"]
+    shape = plan.Shape(32, 8, 128, 65536, True, 2)
+    expected = plan._a2a_ms(topo, shape, 2, 1, plan.Link("x", 150.0, 0.04, ""))
+    assert plan.predict_split(topo, shape, 2, 1).a2a_ms == pytest.approx(expected)
