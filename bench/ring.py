@@ -3,6 +3,7 @@ total length and (b) PyTorch's context_parallel ring over cuDNN SDPA, on the sam
 
     torchrun --nproc_per_node=2 bench/ring.py --commit $(git rev-parse --short HEAD)
     torchrun --nproc_per_node=2 bench/ring.py --head-groups 1,2   # U x R = 1 x 2 and 2 x 1 side by side
+    torchrun --nproc_per_node=2 bench/ring.py --overhead 512,1024,2048,4096   # per-step cost, eager vs CUDA graph
     torchrun --nproc_per_node=2 bench/ring.py --smoke      # CPU (gloo), torch backend, tiny shapes
 
 Batch 1, hdim 128, bf16; heads/kv_heads 32/32 and 32/8; total causal sequence 16k..128k plus
@@ -18,6 +19,11 @@ takes no GQA; torchtitan does the same), default rotate method and load balancer
 non-causal, which it refuses otherwise). One more call per split runs under
 ringfa4.ring.timeline: per-step compute, merge and transfer times from CUDA events. Before
 timing, every split's output is compared with the single-GPU one, so nothing wrong is timed.
+--overhead LOCALS measures instead what a step of the plain causal ring (first backend, first
+heads pair) costs beyond its kernels at short local lengths: per step, (call - the rank's kernels
+timed alone back to back, bench/simulate.py's _kernels_ms) / (2 W), eager and with the whole
+fwd+bwd call, NCCL sends and receives included, captured in one CUDA graph and replayed; the
+worst rank's. Rows: ring_overhead.json.
 Rows go to ring.json in a temporary directory, --out-dir DIR, or with --record
 bench/results/ring.json (bench/measure.py); a markdown table is printed last. `python -m
 ringfa4.plan --refit` takes these rows to check its predictions against (U x R rows included).
@@ -54,6 +60,8 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iters", type=int, default=3, help="calls per round")
     p.add_argument("--rounds", type=int, default=3, help="rounds, taken in turn by the contenders of a row")
+    p.add_argument("--overhead", default=None, metavar="LOCALS",
+                   help="comma list of local lengths: per-step cost beyond the kernels, eager and CUDA-graphed")
     p.add_argument("--smoke", action="store_true", help="CPU/gloo, backend torch, float32, tiny shapes")
     args = p.parse_args()
     if args.smoke:
@@ -121,6 +129,51 @@ def enter_torch_cp(stack, q, k, v, dout, causal, mesh, say):
         return None, None, error
 
 
+def graphed(fn):
+    """``fn`` captured in a CUDA graph after one more eager call: (replay, None), or (None, the
+    capture's error) where something in it cannot be captured."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as e:  # reported in the row, never hidden
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return graph.replay, None
+
+
+def overhead_rows(args, timer, device, dtype, meta, rows):
+    """Per-step cost of the plain causal ring beyond its kernels at each local length of --overhead."""
+    from bench import simulate
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    name = args.backends.split(",")[0]
+    h, hk = map(int, args.heads.split(",")[0].split(":"))
+    d = args.head_dim
+    alone = measure.Timer(device, rounds=args.rounds, warmup=1, turn_ms=None if device.type == "cpu" else 200)
+    for local in map(int, args.overhead.split(",")):
+        seq = local * world
+        q, k, v, dout = inputs(seq, h, hk, d, dtype, device, seed=seq)
+        leaves = [ringfa4.shard(t).detach().requires_grad_() for t in (q, k, v)]
+        ring = fwd_bwd(functools.partial(ringfa4.ring_attention, causal=True, backend=name), leaves, ringfa4.shard(dout))
+        mine = simulate._rank(backends.get(name), seq, h, hk, d, True, dtype, device, 1, world, rank)
+        kernels = [None] * world
+        dist.all_gather_object(kernels, simulate._kernels_ms(mine, alone))
+        eager = timer(ring)[0]
+        replay, error = graphed(ring) if device.type == "cuda" else (None, "CPU: no CUDA graph")
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), None)
+        graph = timer(replay)[0] if error is None else None
+        per_step = lambda ms: None if ms is None else max(ms - k for k in kernels) / (2 * world) * 1e3  # noqa: E731
+        rows.add(dict(meta, kind="overhead_nccl", backend=name, world=world, local=local, heads=h, kv_heads=hk,
+                      head_dim=d, causal=True, dtype=str(dtype).split(".")[-1], kernels_ms_by_rank=kernels,
+                      eager_ms=eager, graph_ms=graph, graph_error=error,
+                      eager_overhead_us_per_step=per_step(eager), graph_overhead_us_per_step=per_step(graph)))
+        del leaves, ring, mine
+
+
 def merge_microbench(timer, local, heads, head_dim, device):
     """ms of one merge of a half-block partial into the running (out, lse), fused vs eager."""
     gen = torch.Generator(device=device).manual_seed(0)
@@ -154,7 +207,14 @@ def main():
     say = print if rank == 0 else (lambda *a, **k: None)
     meta = measure.metadata(device, args.commit, world=world)
     say(f"# bench/ring.py {meta}", flush=True)
-    rows = measure.Rows(measure.output_dir(args) / "ring.json" if rank == 0 else None)
+    rows = measure.Rows(measure.output_dir(args) / ("ring_overhead.json" if args.overhead else "ring.json")
+                        if rank == 0 else None)
+    if args.overhead:
+        overhead_rows(args, timer, device, dtype, meta, rows)
+        if rank == 0:
+            print(overhead_table(rows))
+        dist.destroy_process_group()
+        return
 
     splits = {}  # U -> (ring group, head group or None), as the trainer's mesh lays them out
     for u in args.head_groups:
@@ -244,6 +304,17 @@ def _tokens(n):
 def _mean_ms(spans, key):
     values = spans.get(key)
     return f"{sum(values) / len(values):.2f}" if values else "-"
+
+
+def overhead_table(rows):
+    lines = ["| local | kernels ms (worst rank) | eager ms | graph ms | eager us/step beyond kernels | graph us/step |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        g = "n/a" if r["graph_ms"] is None else f"{r['graph_ms']:.3f}"
+        gs = r["graph_error"] if r["graph_ms"] is None else f"{r['graph_overhead_us_per_step']:.1f}"
+        lines.append(f"| {r['local']} | {max(r['kernels_ms_by_rank']):.3f} | {r['eager_ms']:.3f} | {g} "
+                     f"| {r['eager_overhead_us_per_step']:.1f} | {gs} |")
+    return "\n".join(lines)
 
 
 def table(rows):

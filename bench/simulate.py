@@ -37,7 +37,7 @@ from ringfa4.ring import heads, schedule, timeline  # noqa: E402
 from ringfa4.ring.layout import nearest_length  # noqa: E402
 from ringfa4.ring.simulate import Rank  # noqa: E402
 
-import measure  # noqa: E402
+from bench import measure  # noqa: E402
 
 ALIGN = 128  # rows of a query tile: every chunk a whole number of them
 
