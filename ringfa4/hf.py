@@ -3,7 +3,7 @@
     ring = ringfa4.hf.register(group=mesh["cp"].get_group())            # once per process
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ring.name)
     ringfa4.hf.fully_shard_model(model, mesh)                            # FSDP2 over (dp_shard, cp)
-    batch = ring.shard_batch(input_ids)                                  # full (b, s) -> this rank's part
+    batch = ring.shard_batch(input_ids, position_ids=position_ids)       # full (b, s) -> this rank's part
     loss = ringfa4.hf.causal_lm_loss(model, batch, ringfa4.hf.global_token_count(batch))
     loss.backward()                                                      # its share of the global mean
 
@@ -18,13 +18,18 @@ tokens must carry their GLOBAL positions. ``shard_batch`` shards position_ids li
 the attention function refuses any other positions (transformers' default, arange over the local
 tokens, is one), checked once per forward on layer inputs that share one position_ids tensor.
 
+Packed documents: full-sequence position_ids that restart at 0 at every document start
+(transformers' packed format, as DataCollatorWithFlattening builds it) are documents.
+``shard_batch`` turns the restarts into ``cu_seqlens`` (global boundaries, ringfa4.documents) and
+returns them in the batch; the model forwards them to the attention function as a keyword
+(``causal_lm_loss`` passes them), which hands them to ring_attention, so a token attends to its
+own document only, and RoPE restarts per document as in transformers' packed training. Restarting
+position_ids without cu_seqlens are refused (PositionIdsError), never attended across.
+
 Not supported yet, refused with a named error rather than attended across or ignored: padding
-masks (PaddingNotSupported), packed documents whose position_ids restart per document
-(PackedSequencesNotSupported; they will map onto ring_attention's ``cu_seqlens``: shard_batch
-turns the restarts of the full position_ids into document boundaries and the attention function
-passes them on), sliding windows shorter than the sequence (SlidingWindowNotSupported), attention
-dropout, logit soft-capping, attention sinks, mask patterns a model overlays on causal attention,
-and KV caches (generation).
+masks (PaddingNotSupported), sliding windows shorter than the sequence (SlidingWindowNotSupported),
+attention dropout, logit soft-capping, attention sinks, mask patterns a model overlays on causal
+attention, and KV caches (generation).
 """
 import weakref
 from dataclasses import dataclass
@@ -36,8 +41,10 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 import ringfa4
+from ringfa4 import documents
 from ringfa4.nn import ModelArgs
 from ringfa4.nn.parallel import fully_shard_blocks
+from ringfa4.ring import documents as ring_documents
 from ringfa4.ring import layout as ring_layout
 
 IGNORE_INDEX = -100  # transformers' label for "no loss here"
@@ -51,12 +58,13 @@ class PaddingNotSupported(UnsupportedByRing):
     pass
 
 
-class PackedSequencesNotSupported(UnsupportedByRing):
-    pass
-
-
 class SlidingWindowNotSupported(UnsupportedByRing):
     pass
+
+
+class PositionIdsError(ValueError):
+    """position_ids that are neither one sequence nor packed documents (a step other than +1 or a
+    restart at 0), or local ones that are not this rank's share of the global positions."""
 
 
 @dataclass(frozen=True)
@@ -70,11 +78,17 @@ class Ring:
         """This rank's part of a causal-LM batch of full sequences, in the ring's layout.
 
         input_ids (b, s); labels (b, s) as transformers takes them (unshifted, default input_ids,
-        IGNORE_INDEX where no loss is wanted); position_ids (b or 1, s), default 0..s-1; an
-        attention_mask is accepted only if it masks nothing. Labels are shifted on the full
-        sequence, before sharding, so the token at a shard boundary is scored against its true
-        successor on the next shard. Returns a dict of local tensors: input_ids, position_ids
-        (global positions, for RoPE) and shift_labels (the next token of each local token).
+        IGNORE_INDEX where no loss is wanted); position_ids (b or 1, s), default 0..s-1 (one
+        document per row), or restarting at 0 at every document start (packed documents; any other
+        step raises PositionIdsError); an attention_mask is accepted only if it masks nothing.
+        Labels are shifted on the full sequence, before sharding, so the token at a shard boundary
+        is scored against its true successor on the next shard; the last token of each document is
+        not scored (IGNORE_INDEX), as it has no successor in its document.
+        Returns a dict of local tensors: input_ids, position_ids (global per-document positions,
+        for RoPE), shift_labels (the next token of each local token) and cu_seqlens (the documents'
+        global boundaries, int32 on the host: ringfa4.documents' shared form for (1, s)
+        position_ids, the rows concatenated for (b, s)); pass position_ids and cu_seqlens to the
+        model (causal_lm_loss does).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
@@ -88,26 +102,42 @@ class Ring:
                                       "support yet: pack full sequences instead, or drop the mask")
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0)
-        _check_one_sequence(position_ids, s)
-        shift_labels = torch.cat([labels[:, 1:], labels.new_full((b, 1), IGNORE_INDEX)], dim=1)
+        cu_seqlens = document_boundaries(position_ids, b, s)
+        document_ends = F.pad(position_ids[:, 1:] == 0, (0, 1), value=True).to(labels.device)
+        shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).masked_fill(document_ends, IGNORE_INDEX)
         ring_layout.check_divisible(s, self._world(), self.layout, name="input_ids.shape[1]")
         local = {"input_ids": input_ids, "position_ids": position_ids, "shift_labels": shift_labels}
-        return {key: ringfa4.shard(t, dim=1, group=self.group, layout=self.layout) for key, t in local.items()}
+        local = {key: ringfa4.shard(t, dim=1, group=self.group, layout=self.layout, cu_seqlens=cu_seqlens)
+                 for key, t in local.items()}
+        return {**local, "cu_seqlens": cu_seqlens}
 
     def _world(self):
         return ring_layout.group_rank_world(self.group)[1]
 
 
-def _check_one_sequence(position_ids, seq_len):
-    """position_ids of full sequences must be 0..seq_len-1 in every row."""
-    if position_ids.dim() != 2 or position_ids.shape[1] != seq_len:
-        raise ValueError(f"position_ids must be (batch or 1, {seq_len}), got shape {tuple(position_ids.shape)}")
-    if bool((position_ids.diff(dim=1) != 1).any()):
-        raise PackedSequencesNotSupported(
-            "position_ids restart or jump inside a sequence (packed documents): ring attention has no document "
-            "masking yet and would attend across documents; give one document per sequence")
-    if bool((position_ids[:, 0] != 0).any()):
-        raise ValueError(f"position_ids must start at 0 in every row, got {position_ids[:, 0].tolist()}")
+def document_boundaries(position_ids, batch, seq_len):
+    """cu_seqlens (int32, host) of full sequences whose position_ids (batch or 1, seq_len) count up
+    by 1 within a document and restart at 0 at the next: one set shared by the batch for one row
+    of position_ids, the rows concatenated (FlashAttention's packed batch) for one per row."""
+    if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != seq_len:
+        raise ValueError(f"position_ids must be (1 or {batch}, {seq_len}) like input_ids, "
+                         f"got shape {tuple(position_ids.shape)}")
+    positions = position_ids.cpu()
+    if bool((positions[:, 0] != 0).any()):
+        raise PositionIdsError(f"position_ids must start at 0 in every row, got {positions[:, 0].tolist()}")
+    bad = ((positions.diff(dim=1) != 1) & (positions[:, 1:] != 0)).nonzero()
+    if len(bad):
+        row, i = bad[0].tolist()
+        raise PositionIdsError(f"position_ids step from {positions[row, i].item()} to {positions[row, i + 1].item()} "
+                               f"at row {row}, index {i + 1}: within a document they count up by 1, and a new "
+                               "document (packed sequences) restarts at 0")
+    starts = (positions == 0).flatten().nonzero().flatten()
+    return torch.cat([starts, starts.new_tensor([positions.numel()])]).to(torch.int32)
+
+
+def _document_positions(rows):
+    """(b, s) int64: every position's offset in its document, per row of boundaries."""
+    return torch.stack([torch.cat([torch.arange(stop - start) for start, stop in zip(row, row[1:])]) for row in rows])
 
 
 def register(group=None, *, layout="zigzag", backend="auto", name="ringfa4"):
@@ -139,7 +169,7 @@ class _RingAttention:
 
     def __init__(self, ring, backend):
         self.ring, self.backend = ring, backend
-        self._checked_positions = None  # weak reference to the last position_ids found right
+        self._checked = None  # weak references to the last position_ids and cu_seqlens found right, host cu_seqlens
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         # query (b, h, s, d), key/value (b, hk, s, d) -> ringfa4's (b, s, heads, d) views.
@@ -160,36 +190,49 @@ class _RingAttention:
         if window is not None and window < global_len:
             raise SlidingWindowNotSupported(f"sliding_window={window} is shorter than the sequence ({global_len} "
                                             "tokens): ring attention has no sliding windows yet")
-        self._check_positions(kwargs.get("position_ids"), query.shape[2], world)
+        cu_seqlens = self._documents(kwargs.get("position_ids"), kwargs.get("cu_seqlens"), query.shape[0],
+                                     query.shape[2], world)
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
         out = ringfa4.ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                      causal=causal, softmax_scale=scaling, group=self.ring.group,
-                                     layout=self.ring.layout, backend=self.backend)
+                                     layout=self.ring.layout, backend=self.backend, cu_seqlens=cu_seqlens)
         return out, None
 
-    def _check_positions(self, position_ids, local_len, world):
-        """The local tokens must carry the global positions shard_batch gives them (RoPE reads them)."""
+    def _documents(self, position_ids, cu_seqlens, batch, local_len, world):
+        """cu_seqlens on the host for ring_attention (None: one document per row), once the local
+        tokens are found to carry the global per-document positions shard_batch gives them (RoPE
+        reads them). Checked once per forward: the layers get the same two tensors."""
         if position_ids is None:
             raise ValueError("the model passes no position_ids to its attention function, so ring attention "
                              "cannot check that its tokens carry global positions; this model is not supported")
-        if self._checked_positions is not None and self._checked_positions() is position_ids:
-            return
-        if position_ids.dim() != 2 or position_ids.shape[1] != local_len:
-            raise ValueError(f"position_ids must be (batch or 1, {local_len}) like the local tokens, "
+        if self._checked is not None and _is(self._checked[0], position_ids) and _is(self._checked[1], cu_seqlens):
+            return self._checked[2]
+        layout, seq_len = self.ring.layout, local_len * world
+        if cu_seqlens is None and layout == documents.DOCUMENT_ZIGZAG:
+            raise ValueError(f"layout {layout!r} follows the documents, but the model got no cu_seqlens: pass "
+                             "Ring.shard_batch's cu_seqlens to the model (causal_lm_loss does)")
+        host = None if cu_seqlens is None else cu_seqlens.cpu()
+        rows = ([[0, seq_len]] * batch if host is None
+                else documents.row_boundaries(host, batch, seq_len, torch.device("cpu")))
+        if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != local_len:
+            raise ValueError(f"position_ids must be (1 or {batch}, {local_len}) like the local tokens, "
                              f"got shape {tuple(position_ids.shape)}")
-        expected = torch.arange(local_len * world, device=position_ids.device)
-        expected = ringfa4.shard(expected, dim=0, group=self.ring.group, layout=self.ring.layout)
+        held = ring_documents.positions(rows, ring_layout.group_rank_world(self.ring.group)[0], world, layout, seq_len)
+        expected = _document_positions(rows).gather(1, held).to(position_ids.device)
         if not bool((position_ids == expected).all()):
-            chunks = position_ids.unflatten(1, (len(ring_layout.chunk_ids(0, world, self.ring.layout)), -1))
-            if bool((chunks.diff(dim=2) != 1).any()):
-                raise PackedSequencesNotSupported(
-                    "position_ids restart inside a sequence (packed documents): ring attention has no document "
-                    "masking yet and would attend across documents")
-            raise ValueError(f"position_ids must be the global positions of this rank's tokens in layout "
-                             f"{self.ring.layout!r} (pass Ring.shard_batch's position_ids to the model); got "
-                             f"{position_ids[0, :8].tolist()}..., expected {expected[:8].tolist()}...")
-        self._checked_positions = weakref.ref(position_ids)
+            raise PositionIdsError(
+                f"position_ids must be the global positions of this rank's tokens in layout {layout!r}, per "
+                f"document ({'one per row: the model got no cu_seqlens' if host is None else 'of cu_seqlens'}); "
+                f"pass Ring.shard_batch's position_ids and cu_seqlens to the model (causal_lm_loss does); got "
+                f"{position_ids[0, :8].tolist()}..., expected {expected[0, :8].tolist()}...")
+        self._checked = (weakref.ref(position_ids), None if cu_seqlens is None else weakref.ref(cu_seqlens), host)
+        return host
+
+
+def _is(ref, tensor):
+    """Whether the weak reference ``ref`` (None: no tensor) still points at ``tensor``."""
+    return tensor is None if ref is None else ref() is tensor
 
 
 def global_token_count(batch, group=None):
@@ -204,10 +247,12 @@ def global_token_count(batch, group=None):
 
 
 def causal_lm_loss(model, batch, num_tokens):
-    """This rank's share of the mean next-token loss over the global batch: the sum of its tokens'
-    losses divided by ``num_tokens``, the global count. Shares add up to the loss over ranks, and so
-    do their gradients (fully_shard_model sums them rather than averaging)."""
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    """This rank's share of the mean next-token loss over the global batch (Ring.shard_batch's; the
+    last token of each document is not scored): the sum of its tokens' losses divided by
+    ``num_tokens``, the global count. Shares add up to the loss over ranks, and so do their
+    gradients (fully_shard_model sums them rather than averaging)."""
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                   cu_seqlens=batch["cu_seqlens"], use_cache=False).logits
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     loss_sum = F.cross_entropy(logits.flatten(0, 1), batch["shift_labels"].flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum")
@@ -227,7 +272,6 @@ def fully_shard_model(model, mesh, *, param_dtype=None, activation_checkpointing
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return fully_shard_blocks(model, blocks, mesh, param_dtype)
-    return model
 
 
 def flops_per_token(config, seq_len):

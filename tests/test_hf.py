@@ -2,8 +2,10 @@
 
 A step on cp (and dp_shard x cp) gloo ranks must give the loss and gradients of the same model run
 by transformers' own SDPA attention on the full sequences in one process (fp64), with labels
-shifted on the full sequence and the loss the mean over the labelled tokens of the global batch;
-what the ring cannot do yet is refused with a named error. Needs the hf extra.
+shifted on the full sequence and the loss the mean over the labelled tokens of the global batch.
+Packed documents (position_ids restarting at 0 per document) must give the loss and gradients of
+the same model run on each document separately. What the ring cannot do yet is refused with a
+named error. Needs the hf extra.
 """
 import pytest
 import torch
@@ -17,6 +19,10 @@ from ringfa4.nn.parallel import CP, DP_SHARD  # noqa: E402
 from ringfa4.train import launch  # noqa: E402
 
 SEQ_LEN, BATCH, VOCAB, SEED = 24, 4, 64, 1234
+# Document lengths of packed rows. At cp = 2 zigzag cuts a row at 6, 12 and 18 (rank 0 holds
+# [0, 6) and [18, 24)): documents cross a rank boundary (6..15 in row 0 crosses 12 inside rank 1,
+# 15..22 crosses 18; 0..11 in row 1 crosses 6), have length 1 (5, 17, 18) or start on a chunk edge (18).
+DOCUMENTS = ([5, 1, 9, 7, 2], [11, 6, 1, 1, 5])
 
 
 def make_model(attn_implementation, tie=False, **config):
@@ -48,7 +54,32 @@ def reference_step(tie):
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def parallel_step(dp_shard, cp, layout, tie, recompute, rank, world, local_rank):
+def packed_position_ids(rows):
+    """Restarting position_ids (transformers' packed format) of the DOCUMENTS rows ``rows``."""
+    return torch.stack([torch.cat([torch.arange(n) for n in DOCUMENTS[r]]) for r in rows])
+
+
+def reference_documents_step(position_ids):
+    """transformers' SDPA attention on every document separately (fp64): the sum of the documents'
+    next-token losses over their labelled tokens, and its gradients."""
+    model = make_model("sdpa")
+    input_ids, labels = make_batch()
+    loss_sum, count = 0.0, 0
+    for r in range(BATCH):
+        starts = (position_ids[r % len(position_ids)] == 0).nonzero().flatten().tolist() + [SEQ_LEN]
+        for start, stop in zip(starts, starts[1:]):
+            if stop - start == 1:
+                continue  # a one-token document has no next token to score
+            logits = model(input_ids=input_ids[r:r + 1, start:stop], use_cache=False).logits[0, :-1]
+            target = labels[r, start + 1:stop]
+            loss_sum = loss_sum + F.cross_entropy(logits, target, ignore_index=hf.IGNORE_INDEX, reduction="sum")
+            count += int((target != hf.IGNORE_INDEX).sum())
+    loss = loss_sum / count
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def parallel_step(dp_shard, cp, layout, tie, recompute, position_ids, rank, world, local_rank):
     import torch.distributed as dist
     torch.set_num_threads(1)  # the ranks share two CI cores
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -60,26 +91,31 @@ def parallel_step(dp_shard, cp, layout, tie, recompute, rank, world, local_rank)
         input_ids, labels = make_batch()
         rows = slice(mesh.get_local_rank(DP_SHARD) * BATCH // dp_shard,
                      (mesh.get_local_rank(DP_SHARD) + 1) * BATCH // dp_shard)
-        batch = ring.shard_batch(input_ids[rows], labels[rows])
+        if position_ids is not None and len(position_ids) > 1:
+            position_ids = position_ids[rows]
+        batch = ring.shard_batch(input_ids[rows], labels[rows], position_ids=position_ids)
         share = hf.causal_lm_loss(model, batch, hf.global_token_count(batch))
         share.backward()
         loss = share.detach().clone()
         dist.all_reduce(loss)
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         refused = None
-        if layout == "zigzag":  # every rank's local arange is wrong there, so all of them refuse
-            try:
+        try:  # every rank's positions are wrong in these calls, so all of them refuse
+            if position_ids is not None:  # packed documents without their boundaries
+                model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+            elif layout == "zigzag":
                 model(input_ids=batch["input_ids"], use_cache=False)  # transformers' default positions
-            except ValueError as e:
-                refused = str(e)
+        except ValueError as e:
+            refused = str(e)
         return loss.item(), grads, refused
     finally:
         dist.destroy_process_group()
 
 
-def assert_same_step(dp_shard, cp, layout, tie, recompute):
-    ref_loss, ref_grads = reference_step(tie)
-    loss, grads, refused = launch.spawn(parallel_step, dp_shard * cp, dp_shard, cp, layout, tie, recompute)
+def assert_same_step(dp_shard, cp, layout, tie, recompute, position_ids=None):
+    ref_loss, ref_grads = reference_step(tie) if position_ids is None else reference_documents_step(position_ids)
+    loss, grads, refused = launch.spawn(parallel_step, dp_shard * cp, dp_shard, cp, layout, tie, recompute,
+                                        position_ids)
     assert abs(loss - ref_loss) <= 1e-9 * abs(ref_loss), (loss, ref_loss)
     assert grads.keys() == ref_grads.keys()
     for name, ref in ref_grads.items():
@@ -95,6 +131,20 @@ def test_cp2_zigzag_step_matches_transformers_sdpa_and_refuses_local_positions()
 
 def test_dp2_x_cp2_contiguous_step_matches_transformers_sdpa():
     assert_same_step(dp_shard=2, cp=2, layout="contiguous", tie=False, recompute=False)
+
+
+def test_cp2_zigzag_packed_rows_match_each_document_run_alone_and_need_cu_seqlens():
+    position_ids = packed_position_ids([r % len(DOCUMENTS) for r in range(BATCH)])  # (b, s): documents per row
+    refused = assert_same_step(dp_shard=1, cp=2, layout="zigzag", tie=False, recompute=True,
+                               position_ids=position_ids)
+    assert refused is not None and "got no cu_seqlens" in refused
+
+
+def test_cp2_document_zigzag_packed_batch_matches_each_document_run_alone_and_needs_cu_seqlens():
+    position_ids = packed_position_ids([0])  # (1, s): the documents shared by the batch
+    refused = assert_same_step(dp_shard=1, cp=2, layout="document_zigzag", tie=False, recompute=False,
+                               position_ids=position_ids)
+    assert refused is not None and "got no cu_seqlens" in refused
 
 
 # ---------------------------------------------------------------- one process: refusals
@@ -129,14 +179,56 @@ def test_padding_masks_are_refused_and_an_all_ones_mask_is_not(ring):
     torch.testing.assert_close(ones, plain, rtol=0, atol=0)
 
 
-def test_packed_documents_are_refused(ring):
+def test_shard_batch_turns_restarts_into_cu_seqlens_and_scores_no_token_across_documents(ring):
+    input_ids, labels = make_batch()
+    shared = ring.shard_batch(input_ids, labels, position_ids=packed_position_ids([0]))
+    assert shared["cu_seqlens"].tolist() == [0, 5, 6, 15, 22, 24] and shared["cu_seqlens"].dtype == torch.int32
+    per_row = ring.shard_batch(input_ids, labels, position_ids=packed_position_ids([0, 1, 0, 1]))
+    assert per_row["cu_seqlens"].tolist() == [0, 5, 6, 15, 22, 24, 35, 41, 42, 43, 48, 53, 54, 63, 70, 72,
+                                              83, 89, 90, 91, 96]
+    ends = [4, 5, 14, 21, 23]  # the last token of each document of row 0
+    assert (shared["shift_labels"][:, ends] == hf.IGNORE_INDEX).all()
+    inside = [i for i in range(SEQ_LEN) if i not in ends]
+    torch.testing.assert_close(shared["shift_labels"][1:, inside], labels[1:, 1:][:, inside], rtol=0, atol=0)
+    one = ring.shard_batch(input_ids, labels)
+    assert one["cu_seqlens"].tolist() == [0, SEQ_LEN]
+
+
+def test_one_rank_packed_loss_matches_each_document_run_alone(ring):
+    position_ids = packed_position_ids([0, 1, 0, 1])
+    input_ids, labels = make_batch()
+    batch = ring.shard_batch(input_ids, labels, position_ids=position_ids)
+    loss = hf.causal_lm_loss(make_model(ring.name), batch, hf.global_token_count(batch))
+    ref_loss, _ = reference_documents_step(position_ids)
+    assert abs(loss.item() - ref_loss) <= 1e-12 * ref_loss
+
+
+def test_one_document_per_row_with_cu_seqlens_is_the_plain_path_bit_for_bit(ring):
     model = make_model(ring.name)
     input_ids, _ = make_batch()
-    packed = torch.cat([torch.arange(10), torch.arange(SEQ_LEN - 10)]).unsqueeze(0)  # two documents
-    with pytest.raises(hf.PackedSequencesNotSupported, match="packed documents"):
-        ring.shard_batch(input_ids, position_ids=packed)
-    with pytest.raises(hf.PackedSequencesNotSupported, match="packed documents"):
+    positions = torch.arange(SEQ_LEN).unsqueeze(0)
+    plain = model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
+    dense = model(input_ids=input_ids, position_ids=positions, cu_seqlens=torch.tensor([0, SEQ_LEN], dtype=torch.int32),
+                  use_cache=False).logits
+    torch.testing.assert_close(dense, plain, rtol=0, atol=0)
+
+
+def test_position_ids_that_jump_or_mismatch_cu_seqlens_are_refused(ring):
+    model = make_model(ring.name)
+    input_ids, _ = make_batch()
+    jump = torch.cat([torch.arange(10), torch.arange(3, SEQ_LEN - 7)]).unsqueeze(0)  # 9 -> 3: not a restart at 0
+    with pytest.raises(hf.PositionIdsError, match="step from 9 to 3 at row 0, index 10"):
+        ring.shard_batch(input_ids, position_ids=jump)
+    with pytest.raises(hf.PositionIdsError, match="start at 0"):
+        ring.shard_batch(input_ids, position_ids=torch.arange(1, SEQ_LEN + 1).unsqueeze(0))
+    with pytest.raises(ValueError, match=r"position_ids must be \(1 or 4, 24\)"):
+        ring.shard_batch(input_ids, position_ids=packed_position_ids([0, 1]))
+    packed = packed_position_ids([0])
+    with pytest.raises(hf.PositionIdsError, match="got no cu_seqlens"):
         model(input_ids=input_ids, position_ids=packed, use_cache=False)
+    other = ring.shard_batch(input_ids, position_ids=packed_position_ids([1]))["cu_seqlens"]
+    with pytest.raises(hf.PositionIdsError, match="of cu_seqlens"):
+        model(input_ids=input_ids, position_ids=packed, cu_seqlens=other, use_cache=False)
 
 
 def test_sliding_window_shorter_than_the_sequence_is_refused(ring):
