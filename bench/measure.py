@@ -204,6 +204,20 @@ class Rows(list):
         print(json.dumps(row), flush=True)
 
 
+def graphed(fn):
+    """``fn`` captured in a CUDA graph after one more eager call (its warm-up): (replay, None), or
+    (None, the capture's error) where something in it cannot be captured, to report, never hide."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as e:
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return graph.replay, None
+
+
 def parser(description):
     """An argument parser with the options every bench script shares."""
     p = argparse.ArgumentParser(description=description)

@@ -129,20 +129,6 @@ def enter_torch_cp(stack, q, k, v, dout, causal, mesh, say):
         return None, None, error
 
 
-def graphed(fn):
-    """``fn`` captured in a CUDA graph after one more eager call: (replay, None), or (None, the
-    capture's error) where something in it cannot be captured."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except RuntimeError as e:  # reported in the row, never hidden
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    return graph.replay, None
-
-
 def overhead_rows(args, timer, device, dtype, meta, rows):
     """Per-step cost of the plain causal ring beyond its kernels at each local length of --overhead."""
     from bench import simulate
@@ -161,7 +147,7 @@ def overhead_rows(args, timer, device, dtype, meta, rows):
         kernels = [None] * world
         dist.all_gather_object(kernels, simulate._kernels_ms(mine, alone))
         eager = timer(ring)[0]
-        replay, error = graphed(ring) if device.type == "cuda" else (None, "CPU: no CUDA graph")
+        replay, error = measure.graphed(ring) if device.type == "cuda" else (None, "CPU: no CUDA graph")
         errors = [None] * world
         dist.all_gather_object(errors, error)
         error = next((e for e in errors if e), None)

@@ -187,19 +187,6 @@ def _host_ms(rank, device, calls=5):
     return statistics.median(times)
 
 
-def _graphed(rank):
-    """The rank's call captured in a CUDA graph (after warm-up): replay, or the capture's error."""
-    rank()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            rank()
-    except RuntimeError as e:  # a capture-unsafe op in a backend: report it, keep the eager rows
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0]}"
-    return graph.replay, None
-
-
 def overhead_rows(args, module, device, dtype, rows):
     timer = measure.Timer(device, rounds=args.rounds, warmup=1, turn_ms=None if args.smoke else 200)
     world = args.overhead_world
@@ -210,7 +197,7 @@ def overhead_rows(args, module, device, dtype, rows):
         kernels = _kernels_ms(rank, timer)
         eager = timer(rank)[0]
         host = _host_ms(rank, device)
-        replay, error = _graphed(rank) if device.type == "cuda" else (None, "CPU: no CUDA graph")
+        replay, error = measure.graphed(rank) if device.type == "cuda" else (None, "CPU: no CUDA graph")
         graphed = timer(replay)[0] if replay else None
         per_step = lambda ms: None if ms is None else (ms - kernels) / (2 * world) * 1e3  # noqa: E731
         rows.add(dict(measure.metadata(device, args.commit), kind="overhead", backend=module.__name__, world=world,
