@@ -5,6 +5,7 @@ Forward: q k^T and p v are two matrix products of 2 * seq_q * seq_k * head_dim F
 backward recomputes p and forms dv, dp, dq and dk: five products against the forward's two, so
 2.5x forward, and a training step's forward + backward is 3.5x. A ring step is the same count
 over the step's own block (its query rows x its key rows, causal only on the diagonal block).
+With packed documents only the (query, key) pairs inside a document count: ``causal_pairs``.
 
 Model FLOPs for MFU (6 per matmul parameter per token, attention with backward 2x forward, the
 usual convention) live with the model: ringfa4.nn.ModelArgs.flops_per_token.
@@ -27,6 +28,13 @@ def attention(batch, seq_q, seq_k, heads, head_dim, causal, direction="fwd"):
             raise ValueError(f"{name} must be a non-negative int, got {n!r}")
     forward = 4 * batch * seq_q * seq_k * heads * head_dim / (2 if causal else 1)
     return forward * PASSES[direction]
+
+
+def causal_pairs(cu_seqlens):
+    """(query, key) pairs a causal mask leaves visible in packed documents: n (n + 1) / 2 for a
+    document of n tokens. ``cu_seqlens``: the documents' boundaries as host ints (FlashAttention's
+    varlen format, ascending from 0)."""
+    return sum((end - start) * (end - start + 1) // 2 for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]))
 
 
 def tflops(flops, ms):

@@ -1,5 +1,8 @@
-"""The trainer with packed documents: document boundaries from the data, and a CP=2 step whose
-loss and gradients equal one process's with document masking on."""
+"""The trainer with packed documents: document boundaries from the data, a CP=2 step whose
+loss and gradients equal one process's with document masking on, and logged model FLOPs that
+count only the attention pairs the documents leave visible."""
+import json
+
 import pytest
 import torch
 
@@ -46,6 +49,71 @@ def test_document_boundaries_follow_the_end_token_and_restart_positions():
     assert ends.positions(inputs).tolist() == [[0, 1, 0, 1, 2, 0, 0, 1]]
     text = data.DocumentBoundaries(tuple(b"\n\n"))
     assert text.cu_seqlens(torch.tensor([list(b"ab\n\ncd\n\n"), list(b"\n\nxyzw\n\n")])).tolist() == [0, 4, 8, 10, 16]
+
+
+def _logged_flops_per_step(job, tmp_path):
+    """{step: model FLOPs per step since the previous record} as the run logs them in
+    metrics.jsonl (two ranks)."""
+    job.train.metrics, job.run_dir = ["jsonl"], str(tmp_path)
+    launch.spawn(trainer.train, 2, job)
+    tokens = job.train.global_batch * job.train.seq_len
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # tflops_per_device = F / world / t / 1e12 and tokens_per_s = tokens / t: t cancels.
+    return {r["step"]: r["tflops_per_device"] * 1e12 * 2 * tokens / r["tokens_per_s"] for r in records}
+
+
+def _expected_flops(job, masked):
+    """{step: model FLOPs} of the run's steps: 6 per matmul weight per token, and 12 * dim per
+    causal (query, key) pair and layer (4 * dim forward, backward twice that); a dense row of s
+    tokens counts s * s / 2 pairs, documents hide each row's s (s + 1) / 2 causal pairs less their
+    own n (n + 1) / 2."""
+    m, t = job.model, job.train
+    with torch.device("meta"):
+        model = trainer.Transformer(m.args())
+    # The LM head multiplies every token by a dim x vocab matrix, tied to the embedding or not.
+    matmul = sum(p.numel() for name, p in model.named_parameters() if name.startswith("layers.")
+                 and p.ndim == 2) + m.dim * m.vocab_size
+    s, pair = t.seq_len, 12 * m.n_layers * m.dim
+    dense = 6 * matmul * t.global_batch * s + pair * t.global_batch * s * s / 2
+    sampler = data.build_sampler(job.data, s, m.vocab_size, t.seed)
+    separator, expected = job.data.document_separator.encode(), {}
+    for step in range(1, t.steps + 1):
+        hidden = 0
+        for row in data.load_samples(sampler, (step - 1) * t.global_batch, t.global_batch, m.vocab_size):
+            text = bytes(row[:-1].tolist())
+            starts = [0] + [i + len(separator) for i in range(s - len(separator))
+                            if text[i:i + len(separator)] == separator]
+            lengths = [b - a for a, b in zip(starts, starts[1:] + [s])]
+            hidden += s * (s + 1) // 2 - sum(n * (n + 1) // 2 for n in lengths)
+        expected[step] = dense - pair * hidden if masked else dense
+    return expected
+
+
+@pytest.mark.parametrize("overrides,records", [
+    (("parallel.cp=1", "parallel.dp_shard=2", "train.global_batch=4", "train.log_interval=2"), [(0, 2), (2, 3)]),
+    (("parallel.cp=2", "train.log_interval=1"), [(0, 1), (1, 2), (2, 3)]),
+], ids=["dp_shard2", "cp2"])
+def test_logged_flops_count_only_the_pairs_documents_leave_visible(overrides, records, tmp_path):
+    # Three steps of the shipped corpus: batches of several documents, and one whose rows are one
+    # document each, which counts as dense.
+    job = _job("train.steps=3", *overrides)
+    assert job.data.masking
+    logged, expected = _logged_flops_per_step(job, tmp_path), _expected_flops(job, masked=True)
+    hidden = [dense - expected[step] for step, dense in _expected_flops(job, masked=False).items()]
+    assert min(hidden) == 0 < max(hidden), hidden
+    assert sorted(logged) == [last for _, last in records]
+    for first, last in records:  # a record gives the mean over the steps since the previous one
+        mean = sum(expected[step] for step in range(first + 1, last + 1)) / (last - first)
+        assert logged[last] == pytest.approx(mean, rel=1e-12), (last, logged[last], mean)
+
+
+def test_logged_flops_without_document_masking_count_dense_causal_attention(tmp_path):
+    job = _job("train.steps=2", "train.log_interval=1", "parallel.cp=1", "parallel.dp_shard=2",
+               "data.document_masking=false")
+    logged, expected = _logged_flops_per_step(job, tmp_path), _expected_flops(job, masked=False)
+    assert sorted(logged) == [1, 2]
+    for step, flops in logged.items():
+        assert flops == pytest.approx(expected[step], rel=1e-12), (step, flops, expected[step])
 
 
 @pytest.mark.parametrize("overrides,message", [

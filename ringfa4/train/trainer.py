@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from ringfa4 import flops
 from ringfa4.nn import Transformer, build_mesh, parallelize, shard_sequence
 from ringfa4.nn.parallel import CP, DP_SHARD, head_group
 from ringfa4.train import checkpoint, config, data, launch, metrics
@@ -132,22 +133,52 @@ class Log:
     """Losses of the steps run, and a record every log interval to the sinks of train.metrics.
     Reading a loss syncs with the device, so losses are read only when checked: at each log line
     and before each checkpoint; a NaN or infinite one raises NonFiniteLoss, on every rank alike
-    (the loss is all-reduced)."""
+    (the loss is all-reduced).
+
+    Model FLOPs (TFLOP/s, MFU) are ModelArgs.flops_per_token's, whose attention is dense causal.
+    With packed documents a step counts less by the causal pairs its documents hide (each row's
+    s (s + 1) / 2 causal pairs less its documents' flops.causal_pairs), counted on the host from
+    each batch's cu_seqlens; one document per row counts as dense."""
 
     def __init__(self, run, start):
-        train = run.job.train
+        train, model = run.job.train, run.settings.model
         self.run, self.losses, self.pending = run, {}, []
         self.global_tokens = train.global_batch * train.seq_len
-        self.flops_per_step = run.settings.model.flops_per_token(train.seq_len) * self.global_tokens
+        self.flops_per_step = model.flops_per_token(train.seq_len) * self.global_tokens
+        # flops_per_token counts a sequence of s tokens as s * s / 2 causal pairs, each at twice the
+        # slope of its attention term in seq_len.
+        self.pair_flops = 2 * (model.flops_per_token(1) - model.flops_per_token(0))
+        self.seq_len, self.hidden_pairs = train.seq_len, 0
+        # Data-parallel ranks hold different rows (the ranks of one ring share theirs): their
+        # hidden pairs are summed at each log line.
+        masked_dp = run.job.data.masking and run.settings.dp_shard > 1
+        self.dp_group = run.mesh[DP_SHARD].get_group() if masked_dp else None
         self.peak = metrics.peak_flops(run.device)
         # Rank 0 writes; in-process runs without a run directory (tests, benches) write to the console only.
         sinks = [s for s in train.metrics if run.job.run_dir or s == "console"] if dist.get_rank() == 0 else []
         self.writer = metrics.Writer(sinks, train.steps, run.job.run_dir, config=asdict(run.job))
         self.last_time, self.last_step = time.perf_counter(), start
 
-    def step(self, step, loss):
-        """Keep step ``step``'s global loss (a device tensor) until the next check."""
+    def step(self, step, loss, cu_seqlens=None):
+        """Keep step ``step``'s global loss (a device tensor) until the next check; count the causal
+        pairs hidden by the documents of this rank's rows (``cu_seqlens`` on the host, every row
+        starting a document as data.DocumentBoundaries makes them)."""
         self.pending.append((step, loss))
+        if cu_seqlens is not None:
+            bounds = cu_seqlens.tolist()
+            rows = bounds[-1] // self.seq_len
+            self.hidden_pairs += rows * flops.causal_pairs([0, self.seq_len]) - flops.causal_pairs(bounds)
+
+    def _take_hidden_pairs(self):
+        """The causal pairs the documents of the whole global batch hid since the last record.
+        Collective over the data-parallel ranks when they hold different rows; it runs after
+        check() has read the losses, so it makes the steps wait for nothing more."""
+        hidden, self.hidden_pairs = self.hidden_pairs, 0
+        if self.dp_group is not None:
+            total = torch.tensor([hidden], dtype=torch.int64, device=self.run.device)
+            dist.all_reduce(total, group=self.dp_group)
+            hidden = int(total.item())
+        return hidden
 
     def exclude(self, seconds):
         """Leave ``seconds`` (a checkpoint save) out of the throughput."""
@@ -169,11 +200,14 @@ class Log:
         now = time.perf_counter()
         elapsed = (now - self.last_time) / (step - self.last_step)
         world = dist.get_world_size()
+        flops_per_step, hidden = self.flops_per_step, self._take_hidden_pairs()
+        if hidden:
+            flops_per_step -= self.pair_flops * hidden / (step - self.last_step)
         record = {"step": step, "loss": self.losses[step], "lr": lr,
                   "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
                   "tokens_per_s": self.global_tokens / elapsed,
-                  "tflops_per_device": self.flops_per_step / world / elapsed / 1e12,
-                  "mfu": self.flops_per_step / world / elapsed / self.peak if self.peak else None,
+                  "tflops_per_device": flops_per_step / world / elapsed / 1e12,
+                  "mfu": flops_per_step / world / elapsed / self.peak if self.peak else None,
                   "peak_mem_gib": metrics.peak_memory_gib(self.run.device)}
         self.last_time, self.last_step = now, step
         self.writer.write(record)
@@ -226,10 +260,10 @@ def fit(run):
             lr = lr_at(step, train)
             for group in run.optimizer.param_groups:
                 group["lr"] = lr
-            loss, grad_norm = train_step(run.model, run.optimizer, make_batch(run, position), log.global_tokens,
-                                         train.grad_clip)
+            batch = make_batch(run, position)
+            loss, grad_norm = train_step(run.model, run.optimizer, batch, log.global_tokens, train.grad_clip)
             position += train.global_batch
-            log.step(step, loss)
+            log.step(step, loss, batch[-1])
             if step % train.log_interval == 0 or step == train.steps:
                 log.write(step, lr, grad_norm)
             if train.checkpoint_dir and (step % train.checkpoint_interval == 0 or step == train.steps):
