@@ -134,8 +134,11 @@ def prepare(loss_fns, optimizer, device, fallible=()):
     no grad), then each one's peak memory over one training step. A contender in ``fallible``
     that raises is reported in ``errors`` instead (on every rank: a failure on one fails it
     everywhere)."""
+    def step_peak(loss_fn):
+        return peak_memory(lambda: train_step(loss_fn, optimizer), device)
+
     losses, peaks, errors = {}, {}, {}
-    for measured, run in ((losses, forward_loss), (peaks, lambda fn: peak_memory(lambda: train_step(fn, optimizer), device))):
+    for measured, run in ((losses, forward_loss), (peaks, step_peak)):
         for impl, fn in loss_fns.items():
             if impl in errors:
                 continue
@@ -195,7 +198,7 @@ def one_gpu_loss_fns(model, input_ids, labels):
     return {impl: (lambda backward, impl=impl: loss_fn(impl, backward)) for impl in ("ringfa4", "sdpa")}
 
 
-def one_gpu(args, seq_lens):
+def run_one_gpu(args, seq_lens):
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     backend = args.backend or ("torch" if args.smoke else "cute")
@@ -302,7 +305,7 @@ def sharded_model(config, mesh, device):
     return model
 
 
-def context_parallel(args, seq_lens):
+def run_context_parallel(args, seq_lens):
     from transformers import AttentionInterface
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -349,12 +352,11 @@ def markdown(rows):
            "median step; TFLOP/s and GiB per GPU", "",
            f"| seq | ringfa4 tok/s | {b} tok/s | speedup | ringfa4 TFLOP/s | {b} TFLOP/s | ringfa4 MFU | {b} MFU "
            f"| ringfa4 GiB | {b} GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    columns = (("tokens_per_s", "{:,.0f}"), ("tflops", "{}"), ("mfu", "{:.1%}"), ("peak_mem_gib", "{}"))
     for r in rows:
-        pairs = [[_cell(r[impl], key, fmt) for impl in ("ringfa4", b)]
-                 for key, fmt in (("tokens_per_s", "{:,.0f}"), ("tflops", "{}"), ("mfu", "{:.1%}"), ("peak_mem_gib", "{}"))]
-        speedup = "n/a" if r["speedup"] is None else f"{r['speedup']:.3f}x"
-        cells = [*pairs[0], speedup, *pairs[1], *pairs[2], *pairs[3]]
-        out.append(f"| {r['seq_len']} | " + " | ".join(cells) + " |")
+        cells = [_cell(r[impl], key, fmt) for key, fmt in columns for impl in ("ringfa4", b)]
+        cells.insert(2, "n/a" if r["speedup"] is None else f"{r['speedup']:.3f}x")
+        out.append("| " + " | ".join([str(r["seq_len"]), *cells]) + " |")
     out += [f"{b} failed at {r['seq_len']}: {r[b]['error']}" for r in rows if "error" in r[b]]
     return "\n".join(out)
 
@@ -377,8 +379,8 @@ def main():
     measure.check_output_args(p, args, args.smoke)
     seq_lens = [int(s) for s in (args.seq_lens or ("64,128" if args.smoke else "32768,65536")).split(",")]
     if launch.under_torchrun():
-        return context_parallel(args, seq_lens)
-    return one_gpu(args, seq_lens)
+        return run_context_parallel(args, seq_lens)
+    return run_one_gpu(args, seq_lens)
 
 
 if __name__ == "__main__":
