@@ -94,6 +94,15 @@ def loss_sum(model, input_ids, labels, position_ids=None):
                for i in range(0, h.shape[0], LOSS_CHUNK))
 
 
+def use_attention(model, impl):
+    """Switch the model's attention to ``impl``. transformers only logs a warning where it cannot
+    (a heuristic on the model class's source), which would time one implementation twice."""
+    model.set_attn_implementation(impl)
+    if model.config._attn_implementation != impl:
+        raise RuntimeError(f"{type(model).__name__} kept attn_implementation {model.config._attn_implementation!r} "
+                           f"when set to {impl!r}")
+
+
 def train_step(loss_fn, optimizer):
     loss_fn(backward=True)
     optimizer.step()
@@ -190,7 +199,7 @@ def measure_row(row, loss_fns, optimizer, device, timer, config, fallible=()):
 def one_gpu_loss_fns(model, input_ids, labels):
     """{impl: loss_fn(backward)}: the mean loss over the sequence through impl's attention."""
     def loss_fn(impl, backward):
-        model.set_attn_implementation(impl)
+        use_attention(model, impl)
         loss = loss_sum(model, input_ids, labels) / labels.numel()
         if backward:
             loss.backward()
@@ -271,7 +280,7 @@ def cp_loss_fns(model, ring, cp_mesh, input_ids):
     num_tokens = hf.global_token_count(batch)
 
     def share(impl, ids, positions, labels, backward):
-        model.set_attn_implementation(impl)
+        use_attention(model, impl)
         loss = model.loss_sum(ids, labels[0], positions) / num_tokens
         if backward:
             loss.backward()
