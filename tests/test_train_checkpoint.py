@@ -1,11 +1,15 @@
 """Faults a long run meets: a damaged checkpoint is never loaded (the run falls back to the newest
 one that passes its check, and says so), a non-finite loss stops the run before it writes or
-prunes anything, and pruning never removes the newest good checkpoint."""
+prunes anything, pruning never removes the newest good checkpoint, and a resume reads the
+snapshot in one DCP load."""
 import json
 import re
 import shutil
+from unittest import mock
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from ringfa4.train import checkpoint, launch, trainer
 from train_configs import SMALL, composed
@@ -99,3 +103,29 @@ def test_pruning_keeps_the_step_just_written_and_never_touches_newer_ones(tmp_pa
     assert checkpoint.complete_steps(tmp_path) == [6, 8]
     checkpoint.prune(tmp_path, 8, keep=0)  # 0 keeps all
     assert checkpoint.complete_steps(tmp_path) == [6, 8]
+
+
+def _load_generators(job, ckpt, save, rank, world, local_rank):
+    """Load step 3 of ``ckpt`` into a fresh run of ``world`` ranks (this world writes it first when
+    ``save``, with generators that the load must bring back): (load's (step, data position), the
+    DCP loads it ran, [whether each rank's generator is the one saved])."""
+    with launch.process_group("cpu", rank, world, local_rank) as device:
+        run = trainer.build(job, device)
+        torch.manual_seed(100 + rank)
+        saved = torch.get_rng_state()
+        if save:
+            checkpoint.save(ckpt, 3, run.model, run.optimizer, 11, device, keep=0)
+        torch.manual_seed(200 + rank)
+        with mock.patch.object(checkpoint.dcp, "load", wraps=checkpoint.dcp.load) as dcp_load:
+            position = checkpoint.load(ckpt, 3, run.model, run.optimizer, device)
+        restored = [None] * world
+        dist.all_gather_object(restored, torch.equal(torch.get_rng_state(), saved))
+        return position, dcp_load.call_count, restored
+
+
+def test_resume_loads_once_and_restores_every_ranks_generator_only_at_the_same_world_size(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert launch.spawn(_load_generators, 2, composed(*SMALL), ckpt, True) == ((3, 11), 1, [True, True])
+    assert json.loads((ckpt / "step_00000003" / checkpoint.MARKER).read_text())["world_size"] == 2
+    # One rank resumes the two ranks' checkpoint: parameters and optimizer reshard, generators start fresh.
+    assert launch.spawn(_load_generators, 1, composed(*SMALL), ckpt, False) == ((3, 11), 1, [False])

@@ -6,7 +6,8 @@ the snapshot, and only then is the folder renamed, so a run killed mid-save leav
 folder that is never read (and is cleared by the next save). A resumed run checks the newest
 snapshot against its marker before loading it; one that fails is moved aside to
 step_<08d>.corrupt and the next older one is tried. Ranks hash the files in turns, so
-writing and checking cost one read of the snapshot spread over all ranks.
+writing and checking each cost one read of the snapshot spread over all ranks; a resume then
+reads it in one DCP load (``newest_valid`` says why checking and loading are two reads).
 The directory must be on a file system every rank sees (one node's disk, or a shared one).
 """
 import hashlib
@@ -77,12 +78,16 @@ def _file_problem(folder, name, expected):
     return None
 
 
+def _read_marker(folder):
+    return json.loads((Path(folder) / MARKER).read_text())
+
+
 def verify(folder):
     """None if every file of the checkpoint ``folder`` matches its marker, else what does not.
     Collective: every rank gets the same answer."""
     folder = Path(folder)
     try:
-        files = json.loads((folder / MARKER).read_text())["files"]
+        files = _read_marker(folder)["files"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{folder / MARKER} holds no file list ({type(e).__name__}: {e})"
     problems = _in_turns(sorted(files), lambda name: _file_problem(folder, name, files[name]))
@@ -92,7 +97,13 @@ def verify(folder):
 
 def newest_valid(directory, log):
     """The newest step in ``directory`` whose checkpoint passes ``verify`` (None if there is none
-    at all). Each one that fails is reported through ``log`` and moved aside. Collective."""
+    at all). Each one that fails is reported through ``log`` and moved aside. Collective.
+
+    The check reads every file whole before ``load`` reads what each rank needs, so a resumed run
+    reads its snapshot twice. Checking while loading would not do: a snapshot that fails must be
+    passed over before any of its bytes reach the run (DCP loads into the parameters in place), and
+    DCP reads each rank's byte ranges from whichever files hold them (resharded when the world
+    size changed), so no pass reads a file from start to end for its SHA-256 to follow."""
     failed = []
     for step in reversed(complete_steps(directory)):
         folder = step_dir(directory, step)
@@ -132,7 +143,7 @@ def _fsync_dir(path):
 
 def _write_marker(folder, step, files):
     with open(folder / MARKER, "w") as f:
-        json.dump({"step": step, "files": files}, f, indent=1)
+        json.dump({"step": step, "world_size": dist.get_world_size(), "files": files}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
 
@@ -160,7 +171,7 @@ def save(directory, step, model, optimizer, data_position, device, keep):
     state = {
         "model": get_model_state_dict(model),
         "optimizer": get_optimizer_state_dict(model, optimizer),
-        "train": {"step": step, "data_position": data_position, "world_size": dist.get_world_size()},
+        "train": {"step": step, "data_position": data_position},
         # Per-rank keys: DCP stores one copy of equal keys, but every rank's generators differ.
         "rng": {f"rank{rank}": _rng_state(device)},
     }
@@ -178,23 +189,23 @@ def save(directory, step, model, optimizer, data_position, device, keep):
 
 
 def load(directory, step, model, optimizer, device):
-    """Restore model, optimizer and (at the same world size) every rank's RNG; returns
-    (step, data_position)."""
-    path = str(step_dir(directory, step))
-    rank = dist.get_rank()
+    """Restore model, optimizer and, when the checkpoint's marker says it was written by as many
+    ranks as now, every rank's RNG, in one DCP load; returns (step, data_position)."""
+    folder = step_dir(directory, step)
+    key = f"rank{dist.get_rank()}"
     state = {
         "model": get_model_state_dict(model),
         "optimizer": get_optimizer_state_dict(model, optimizer),
-        "train": {"step": -1, "data_position": -1, "world_size": -1},
+        "train": {"step": -1, "data_position": -1},
     }
-    dcp.load(state, checkpoint_id=path)
+    same_world = _read_marker(folder).get("world_size") == dist.get_world_size()
+    if same_world:
+        state["rng"] = {key: _rng_state(device)}
+    dcp.load(state, checkpoint_id=str(folder))
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    train = state["train"]
-    if train["world_size"] == dist.get_world_size():
-        rng = {"rng": {f"rank{rank}": _rng_state(device)}}
-        dcp.load(rng, checkpoint_id=path)
-        torch.set_rng_state(rng["rng"][f"rank{rank}"]["cpu"])
+    if same_world:
+        torch.set_rng_state(state["rng"][key]["cpu"])
         if device.type == "cuda":
-            torch.cuda.set_rng_state(rng["rng"][f"rank{rank}"]["cuda"], device)
-    return train["step"], train["data_position"]
+            torch.cuda.set_rng_state(state["rng"][key]["cuda"], device)
+    return state["train"]["step"], state["train"]["data_position"]
