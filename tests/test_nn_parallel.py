@@ -6,11 +6,14 @@ tight enough to catch any mis-scaled share, mis-sharded label or wrong RoPE posi
 """
 import pytest
 import torch
+from hydra.errors import ConfigCompositionException
 
-from ringfa4.nn import ModelArgs, Transformer, build_mesh, parallelize, shard_sequence
+from ringfa4.backends import torch_ref
+from ringfa4.nn import ContextParallelAttention, ModelArgs, Transformer, build_mesh, parallelize, shard_sequence
 from ringfa4.nn.parallel import CP, DP_SHARD, head_group
-from ringfa4.train import launch
+from ringfa4.train import launch, trainer
 from ringfa4.train.trainer import loss_share
+from train_configs import SMALL, composed
 
 SEQ_LEN, BATCH, SEED = 32, 4, 1234
 LOSS_CHUNK = 5  # several loss chunks per local shard, one of them partial
@@ -95,3 +98,62 @@ def test_model_args_name_the_bad_field(field, value, message):
     fields[field] = value
     with pytest.raises(ValueError, match=message):
         Transformer(ModelArgs(**fields))
+
+
+def spy_on_torch_backward(patch=setattr):
+    """The ``deterministic`` value of every later call of the torch backend's backward, in order
+    (``patch``: how the spy replaces it, monkeypatch.setattr in the test's own process)."""
+    received, backward = [], torch_ref.backward
+
+    def spy(*args, deterministic=False, **kwargs):
+        received.append(deterministic)
+        return backward(*args, deterministic=deterministic, **kwargs)
+
+    patch(torch_ref, "backward", spy)
+    return received
+
+
+def trainer_gradients_twice(overrides, rank, world, local_rank):
+    """The trainer's model and first batch for ``overrides``: the gradients of two backward passes
+    and the ``deterministic`` flags the attention backend's backward received."""
+    with launch.process_group("cpu", rank, world, local_rank):
+        received = spy_on_torch_backward()
+        run = trainer.build(composed(*SMALL, "data=synthetic", "parallel.backend=torch", *overrides),
+                            torch.device("cpu"))
+        tokens, labels, positions, cu_seqlens = trainer.make_batch(run, 0)
+        passes = []
+        for _ in range(2):
+            run.model.zero_grad(set_to_none=True)
+            loss_share(run.model, tokens, labels, positions, tokens.numel() * world, cu_seqlens).backward()
+            passes.append({n: p.grad.full_tensor() for n, p in run.model.named_parameters()})
+        return passes, received
+
+
+@pytest.mark.parametrize("overrides", [[], ["parallel.cp_heads=2"]], ids=["ring", "heads_x_ring"])
+def test_trainer_deterministic_reaches_every_attention_backward_and_repeats_gradients_bit_for_bit(overrides):
+    # CP=2: the ring operator, or with cp_heads=2 the heads x ring operator (a one-rank ring).
+    (first, second), received = launch.spawn(trainer_gradients_twice, 2, ["parallel.deterministic=true", *overrides])
+    assert received and all(flag is True for flag in received), received
+    for name, grad in first.items():
+        assert torch.equal(grad, second[name]), name
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_one_device_attention_core_hands_deterministic_to_the_backend_backward(deterministic, monkeypatch):
+    received = spy_on_torch_backward(monkeypatch.setattr)
+    gen = torch.Generator().manual_seed(SEED)
+    q, k, v = (torch.randn(1, 8, heads, 4, generator=gen, requires_grad=True) for heads in (2, 1, 1))
+    ContextParallelAttention(backend="torch", deterministic=deterministic)(q, k, v).sum().backward()
+    assert received == [deterministic]
+
+
+def test_deterministic_is_off_by_default_and_must_be_a_bool():
+    assert composed().parallel.deterministic is False
+    assert ContextParallelAttention().deterministic is False
+    with pytest.raises(TypeError, match="deterministic must be True or False, got 'yes'"):
+        ContextParallelAttention(deterministic="yes")
+    model = Transformer(ModelArgs(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=48))
+    with pytest.raises(TypeError, match="deterministic must be True or False, got 1"):
+        parallelize(model, mesh=None, deterministic=1)
+    with pytest.raises(ConfigCompositionException, match="parallel.deterministic=maybe"):
+        composed("parallel.deterministic=maybe")

@@ -7,7 +7,9 @@ never run the ring twice. The process group travels by name, a string that compi
 on, and is looked up inside the operator.
 
 Each operator's backward is another operator that takes what the forward saved: out and lse, and
-for the ring the KV block the forward ended with, where the backward ring starts.
+for the ring the KV block the forward ended with, where the backward ring starts. A forward
+operator takes ``deterministic`` only to hand it to its backward (ringfa4.ring_attention's flag:
+bit-identical gradients run to run); the ring operators also make the ranks agree on it.
 """
 from typing import Optional
 
@@ -46,7 +48,7 @@ def _local_documents(cu_seqlens, q):
 
 @torch.library.custom_op("ringfa4::attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float,
-              backend: str, cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+              backend: str, deterministic: bool, cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out, lse) of attention on one device; see ringfa4.attention."""
     doc_ids = _local_documents(cu_seqlens, q)
     module = _backend_for(backend, q, k, v, causal, doc_ids)
@@ -54,35 +56,35 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: floa
 
 
 @attention.register_fake
-def _(q, k, v, causal, softmax_scale, backend, cu_seqlens=None):
+def _(q, k, v, causal, softmax_scale, backend, deterministic, cu_seqlens=None):
     b, s, h, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, h, s), dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op("ringfa4::attention_backward", mutates_args=())
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-                       softmax_scale: float, backend: str,
+                       softmax_scale: float, backend: str, deterministic: bool,
                        cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     doc_ids = _local_documents(cu_seqlens, q)
     module = _backend_for(backend, q, k, v, causal, doc_ids)
     return _contiguous(module.backward(dout.contiguous(), q, k, v, out, lse, causal, softmax_scale,
-                                       **call_kwargs(doc_ids)))
+                                       deterministic=deterministic, **call_kwargs(doc_ids)))
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, causal, softmax_scale, backend, cu_seqlens=None):
+def _(dout, q, k, v, out, lse, causal, softmax_scale, backend, deterministic, cu_seqlens=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, backend, cu_seqlens = inputs
+    q, k, v, causal, softmax_scale, backend, deterministic, cu_seqlens = inputs
     ctx.save_for_backward(q, k, v, *output)
-    ctx.args = (causal, softmax_scale, backend, cu_seqlens)
+    ctx.args = (causal, softmax_scale, backend, deterministic, cu_seqlens)
     ctx.mark_non_differentiable(output[1])
 
 
 def _attention_grad(ctx, dout, _dlse):
-    return attention_backward(dout, *ctx.saved_tensors, *ctx.args) + (None,) * 4
+    return attention_backward(dout, *ctx.saved_tensors, *ctx.args) + (None,) * 5
 
 
 attention.register_autograd(_attention_grad, setup_context=_attention_setup)
@@ -90,7 +92,7 @@ attention.register_autograd(_attention_grad, setup_context=_attention_setup)
 
 @torch.library.custom_op("ringfa4::ring_attention", mutates_args=())
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float, group_name: str,
-                   layout: str, backend: str,
+                   layout: str, backend: str, deterministic: bool,
                    cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out, lse, k_last, v_last) of ring attention over the process group ``group_name``; see
     ringfa4.ring_attention. k_last, v_last are the KV block the forward ended with."""
@@ -99,7 +101,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale:
     _check_ring(q, k, layout, world, 1)
     layout, rows, docs = _ring_documents(cu_seqlens, q, layout, group, q.shape[1] * world)
     module = _backend_for(backend, q, k, v, causal, None if docs is None else docs.local)
-    agree.check(q, k, causal, layout, softmax_scale, False, group, None,
+    agree.check(q, k, causal, layout, softmax_scale, deterministic, group, None,
                 documents=None if rows is None else checksum(rows))
     out, lse, (k_last, v_last) = ring_forward(module, q, k, v, causal, softmax_scale, Ring(group, q.device), layout,
                                               docs)
@@ -107,7 +109,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale:
 
 
 @ring_attention.register_fake
-def _(q, k, v, causal, softmax_scale, group_name, layout, backend, cu_seqlens=None):
+def _(q, k, v, causal, softmax_scale, group_name, layout, backend, deterministic, cu_seqlens=None):
     b, s, h, _ = q.shape
     return (torch.empty_like(q), q.new_empty((b, h, s), dtype=_lse_dtype(q)),
             torch.empty_like(k), torch.empty_like(v))
@@ -116,30 +118,31 @@ def _(q, k, v, causal, softmax_scale, group_name, layout, backend, cu_seqlens=No
 @torch.library.custom_op("ringfa4::ring_attention_backward", mutates_args=())
 def ring_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                             k_last: Tensor, v_last: Tensor, causal: bool, softmax_scale: float, group_name: str,
-                            layout: str, backend: str,
+                            layout: str, backend: str, deterministic: bool,
                             cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     group = _resolve_process_group(group_name)
     world = ring_layout.group_rank_world(group)[1]
     layout, _, docs = _ring_documents(cu_seqlens, q, layout, group, q.shape[1] * world)
     module = _backend_for(backend, q, k, v, causal, None if docs is None else docs.local)
     return _contiguous(ring_backward(module, dout.contiguous(), q, k, v, out, lse, [k_last, v_last], causal,
-                                     softmax_scale, Ring(group, q.device, reverse=True), layout, False, docs))
+                                     softmax_scale, Ring(group, q.device, reverse=True), layout, deterministic, docs))
 
 
 @ring_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, k_last, v_last, causal, softmax_scale, group_name, layout, backend, cu_seqlens=None):
+def _(dout, q, k, v, out, lse, k_last, v_last, causal, softmax_scale, group_name, layout, backend, deterministic,
+      cu_seqlens=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _ring_setup(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, group_name, layout, backend, cu_seqlens = inputs
+    q, k, v, causal, softmax_scale, group_name, layout, backend, deterministic, cu_seqlens = inputs
     ctx.save_for_backward(q, k, v, *output)
-    ctx.args = (causal, softmax_scale, group_name, layout, backend, cu_seqlens)
+    ctx.args = (causal, softmax_scale, group_name, layout, backend, deterministic, cu_seqlens)
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _ring_grad(ctx, dout, _dlse, _dk_last, _dv_last):
-    return ring_attention_backward(dout, *ctx.saved_tensors, *ctx.args) + (None,) * 6
+    return ring_attention_backward(dout, *ctx.saved_tensors, *ctx.args) + (None,) * 7
 
 
 ring_attention.register_autograd(_ring_grad, setup_context=_ring_setup)
@@ -147,7 +150,7 @@ ring_attention.register_autograd(_ring_grad, setup_context=_ring_setup)
 
 @torch.library.custom_op("ringfa4::heads_ring_attention", mutates_args=())
 def heads_ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float, group_name: str,
-                         head_group_name: str, layout: str, backend: str,
+                         head_group_name: str, layout: str, backend: str, deterministic: bool,
                          cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor,
                                                                        Tensor, Tensor, Tensor, Tensor]:
     """Heads x ring (ringfa4.ring.heads): all-to-all over ``head_group_name`` to this rank's heads,
@@ -160,7 +163,7 @@ def heads_ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_
     layout, rows, docs = _ring_documents(cu_seqlens, q, layout, group, q.shape[1] * head_world * world)
     doc_ids = None if docs is None else docs.local
     module = _backend_for(backend, q, k, v, causal, doc_ids)
-    agree.check(q, k, causal, layout, softmax_scale, False, group, head,
+    agree.check(q, k, causal, layout, softmax_scale, deterministic, group, head,
                 documents=None if rows is None else checksum(rows))
     exchange, copies = heads.exchange_over(head), heads.replicas(k.shape[2], head_world)
     qh = heads.to_heads(q, head_world, 1, exchange)
@@ -175,7 +178,7 @@ def heads_ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_
 
 
 @heads_ring_attention.register_fake
-def _(q, k, v, causal, softmax_scale, group_name, head_group_name, layout, backend, cu_seqlens=None):
+def _(q, k, v, causal, softmax_scale, group_name, head_group_name, layout, backend, deterministic, cu_seqlens=None):
     world = ring_layout.group_rank_world(_resolve_process_group(group_name))[1]
     head_world = ring_layout.group_rank_world(_resolve_process_group(head_group_name))[1]
     b, s, h, d = q.shape
@@ -189,7 +192,7 @@ def _(q, k, v, causal, softmax_scale, group_name, head_group_name, layout, backe
 @torch.library.custom_op("ringfa4::heads_ring_attention_backward", mutates_args=())
 def heads_ring_attention_backward(dout: Tensor, qh: Tensor, kh: Tensor, vh: Tensor, out_h: Tensor, lse_h: Tensor,
                                   k_last: Tensor, v_last: Tensor, causal: bool, softmax_scale: float, group_name: str,
-                                  head_group_name: str, layout: str, backend: str,
+                                  head_group_name: str, layout: str, backend: str, deterministic: bool,
                                   kv_heads: int, cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     group, head = _resolve_process_group(group_name), _resolve_process_group(head_group_name)
     world, head_world = ring_layout.group_rank_world(group)[1], ring_layout.group_rank_world(head)[1]
@@ -199,10 +202,11 @@ def heads_ring_attention_backward(dout: Tensor, qh: Tensor, kh: Tensor, vh: Tens
     exchange, copies = heads.exchange_over(head), heads.replicas(kv_heads, head_world)
     dout_h = heads.to_heads(dout.contiguous(), head_world, 1, exchange)
     if world == 1:
-        grads = module.backward(dout_h, qh, kh, vh, out_h, lse_h, causal, softmax_scale, **call_kwargs(doc_ids))
+        grads = module.backward(dout_h, qh, kh, vh, out_h, lse_h, causal, softmax_scale, deterministic=deterministic,
+                                **call_kwargs(doc_ids))
     else:
         grads = ring_backward(module, dout_h, qh, kh, vh, out_h, lse_h, [k_last, v_last], causal, softmax_scale,
-                              Ring(group, qh.device, reverse=True), layout, False, docs)
+                              Ring(group, qh.device, reverse=True), layout, deterministic, docs)
     dq, dk, dv = grads
     return (heads.to_seq(dq, head_world, 1, exchange), heads.to_seq(dk, head_world, copies, exchange),
             heads.to_seq(dv, head_world, copies, exchange))
@@ -210,7 +214,7 @@ def heads_ring_attention_backward(dout: Tensor, qh: Tensor, kh: Tensor, vh: Tens
 
 @heads_ring_attention_backward.register_fake
 def _(dout, qh, kh, vh, out_h, lse_h, k_last, v_last, causal, softmax_scale, group_name, head_group_name, layout,
-      backend, kv_heads, cu_seqlens=None):
+      backend, deterministic, kv_heads, cu_seqlens=None):
     head_world = ring_layout.group_rank_world(_resolve_process_group(head_group_name))[1]
     b, total, _, d = kh.shape
     dk = kh.new_empty((b, total // head_world, kv_heads, d))
@@ -218,14 +222,15 @@ def _(dout, qh, kh, vh, out_h, lse_h, k_last, v_last, causal, softmax_scale, gro
 
 
 def _heads_ring_setup(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, group_name, head_group_name, layout, backend, cu_seqlens = inputs
+    q, k, v, causal, softmax_scale, group_name, head_group_name, layout, backend, deterministic, cu_seqlens = inputs
     ctx.save_for_backward(*output[1:])
-    ctx.args = (causal, softmax_scale, group_name, head_group_name, layout, backend, k.shape[2], cu_seqlens)
+    ctx.args = (causal, softmax_scale, group_name, head_group_name, layout, backend, deterministic, k.shape[2],
+                cu_seqlens)
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _heads_ring_grad(ctx, dout, *_saved):
-    return heads_ring_attention_backward(dout, *ctx.saved_tensors, *ctx.args) + (None,) * 7
+    return heads_ring_attention_backward(dout, *ctx.saved_tensors, *ctx.args) + (None,) * 8
 
 
 heads_ring_attention.register_autograd(_heads_ring_grad, setup_context=_heads_ring_setup)

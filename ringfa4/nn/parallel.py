@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import ringfa4
+from ringfa4.api import _check_flag
 from ringfa4.nn.model import ACTIVATION_CHECKPOINTING
 
 DP_SHARD, CP, DP_SHARD_CP = "dp_shard", "cp", "dp_shard_cp"
@@ -40,7 +41,7 @@ def head_group(mesh):
 
 
 def parallelize(model, mesh, *, layout="zigzag", backend="auto", param_dtype=None, activation_checkpointing="none",
-                compile=False):
+                compile=False, deterministic=False):
     """Make ``model`` (a ringfa4.nn.Transformer) train on ``mesh``; returns the model.
 
     ``param_dtype`` (e.g. torch.bfloat16) is the compute dtype of parameters gathered for forward
@@ -49,7 +50,8 @@ def parallelize(model, mesh, *, layout="zigzag", backend="auto", param_dtype=Non
     ``activation_checkpointing`` is what each block recomputes in backward (see
     ringfa4.nn.model.Block): "none", "selective" (all but the attention) or "full".
     ``compile`` puts each block, and the loss's per-chunk softmax, through torch.compile; the
-    attention inside stays one operator.
+    attention inside stays one operator. ``deterministic`` makes every attention backward give
+    bit-identical gradients run to run (see ContextParallelAttention).
 
     Order matters and follows torchtitan: the ring group goes into every attention core,
     activation checkpointing wraps each block, compile takes the block with its checkpointing,
@@ -61,9 +63,11 @@ def parallelize(model, mesh, *, layout="zigzag", backend="auto", param_dtype=Non
                          f"got {activation_checkpointing!r}")
     if not isinstance(compile, bool):
         raise ValueError(f"compile must be True or False, got {compile!r}")
+    _check_flag(deterministic, "deterministic")
     cp_group, heads = mesh[CP].get_group(), head_group(mesh)
     for core in model.attention_cores():
         core.group, core.head_group, core.layout, core.backend = cp_group, heads, layout, backend
+        core.deterministic = deterministic
     for block in model.layers:
         block.activation_checkpointing = activation_checkpointing
         if compile:

@@ -141,6 +141,9 @@ class ParallelConfig:
     (zigzag inside every document: balanced with packed documents; needs document masking)"""
     backend: str = "auto"
     """attention kernels: auto, cute, fa4 or torch"""
+    deterministic: bool = False
+    """attention backward gives bit-identical gradients run to run (reproducible runs, bitwise
+    resume checks), at some cost in backward speed"""
     cp_heads: int = 1
     """head group of 2-D context parallelism: the cp ranks of a sequence are a ring of cp / cp_heads
     head groups of cp_heads consecutive ranks, whose all-to-all trades sequence for heads

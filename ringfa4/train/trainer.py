@@ -76,7 +76,8 @@ def build(job, device):
     with torch.device("meta"):
         model = Transformer(settings.model)
     parallelize(model, mesh, layout=settings.layout, backend=backend, param_dtype=settings.param_dtype,
-                activation_checkpointing=job.train.activation_checkpointing, compile=job.train.compile)
+                activation_checkpointing=job.train.activation_checkpointing, compile=job.train.compile,
+                deterministic=job.parallel.deterministic)
     model.to_empty(device=device)
     model.init_weights(job.train.seed)
     ends = job.data.boundaries()
