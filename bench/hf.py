@@ -29,10 +29,11 @@ sequence lengths are totals, each rank holds 1/W of the tokens. Same weights, sa
             transformers under TORCH_CP, not transformers' own "sdpa": that one, given the sharded
             (load-balanced) position_ids, reads their jump between the two chunks as packed
             sequences and builds a block-diagonal mask (SDPA with a mask, which context_parallel
-            refuses, and wrong besides), and without a mask it passes enable_gqa=True, which
-            context_parallel's ring has no path for. Ours passes no mask (is_causal) and repeats
-            the kv heads to the query heads first, as transformers' SDPA path does without
-            enable_gqa and as torchtitan does.
+            refuses, and wrong besides), and without a mask it calls SDPA with enable_gqa=True,
+            which cuDNN's SDPA path does not take. Ours passes no mask (is_causal) and repeats the
+            kv heads to the query heads first (measure.sdpa_layout), as transformers' SDPA path
+            does where it cannot use enable_gqa, and as bench/train.py and torchtitan do for
+            PyTorch's ring.
 If torch_cp cannot run (always on CPU: PyTorch's ring shards only the CUDA SDPA kernels), its error
 goes into the row and the table, and on GPU the run exits non-zero.
 
