@@ -12,6 +12,7 @@ the verdict is shared, so a failure on one rank fails the test on all of them in
 the other waiting in a collective.
 """
 import faulthandler
+import functools
 import os
 import sys
 import traceback
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 import ringfa4
 from ringfa4 import backends
+from ringfa4.nn import ContextParallelAttention
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from reference import attention_fp64  # noqa: E402
@@ -158,8 +160,17 @@ def test_two_gpu_head_group_matches_one_gpu_attention(world, shape, layout, caus
     assert not failures, f"U=2 {layout} causal={causal} {shape}: " + "; ".join(failures)
 
 
+def _deterministic_ring(path, causal):
+    """ringfa4.ring_attention with deterministic=True ("api"), or the model's attention core, whose
+    ring is the custom operator of ringfa4.nn.ops ("model")."""
+    if path == "model":
+        return ContextParallelAttention(causal=causal, group=dist.group.WORLD, backend="cute", deterministic=True)
+    return functools.partial(ringfa4.ring_attention, causal=causal, backend="cute", deterministic=True)
+
+
+@pytest.mark.parametrize("path", ["api", "model"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_two_gpu_deterministic_ring_gives_bit_identical_gradients(world, causal):
+def test_two_gpu_deterministic_ring_gives_bit_identical_gradients(world, causal, path):
     """deterministic=True: the kernels order their dQ sums and the ring adds the dK/dV sums in a
     fixed order, so two backward passes over the same inputs agree bit for bit on every rank."""
     b, seq, h, hk, d = SHAPES[1]
@@ -169,14 +180,14 @@ def test_two_gpu_deterministic_ring_gives_bit_identical_gradients(world, causal)
     )
     _skip_unless("cute", q, k, v, causal)
     local = [ringfa4.shard(t).requires_grad_() for t in (q, k, v)]
-    runs = []
+    ring, runs = _deterministic_ring(path, causal), []
     for _ in range(2):
-        out = ringfa4.ring_attention(*local, causal=causal, backend="cute", deterministic=True)
+        out = ring(*local)
         runs.append(torch.autograd.grad(out, local, ringfa4.shard(dout)))
     failures = [f"d{n} differs between runs" for n, g0, g1 in zip("qkv", *runs) if not torch.equal(g0, g1)]
     failures += [f"d{n} has non-finite values" for n, g in zip("qkv", runs[0]) if not torch.isfinite(g).all()]
     failures = _agree(failures)
-    assert not failures, f"causal={causal}: " + "; ".join(failures)
+    assert not failures, f"{path} causal={causal}: " + "; ".join(failures)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
