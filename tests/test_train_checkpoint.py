@@ -93,6 +93,15 @@ def test_non_finite_loss_stops_the_run_without_writing_or_pruning_a_checkpoint(t
     assert checkpoint.complete_steps(ckpt) == [bad_step - 1]
 
 
+def test_each_rank_hashes_the_data_files_it_wrote():
+    names = sorted([".metadata"] + [f"__{rank}_{n}.distcp" for rank in range(12) for n in range(2)])
+    owners = {name: checkpoint._hashing_rank(i, name, 12) for i, name in enumerate(names)}
+    assert all(owners[f"__{rank}_{n}.distcp"] == rank for rank in range(12) for n in range(2))
+    # A snapshot of 12 ranks checked by 4: each rank hashes 6 of the 24 data files.
+    owners = [checkpoint._hashing_rank(i, name, 4) for i, name in enumerate(names) if name.endswith(".distcp")]
+    assert sorted(owners) == sorted(list(range(4)) * 6)
+
+
 def test_pruning_keeps_the_step_just_written_and_never_touches_newer_ones(tmp_path):
     for step in (2, 4, 6, 8):
         (tmp_path / f"step_{step:08d}").mkdir()

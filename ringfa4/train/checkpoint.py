@@ -5,7 +5,7 @@ into step_<08d>.partial/; the marker, written last, lists the size and SHA-256 o
 the snapshot, and only then is the folder renamed, so a run killed mid-save leaves a .partial
 folder that is never read (and is cleared by the next save). A resumed run checks the newest
 snapshot against its marker before loading it; one that fails is moved aside to
-step_<08d>.corrupt and the next older one is tried. Ranks hash the files in turns, so
+step_<08d>.corrupt and the next older one is tried. Each rank hashes the files it wrote, so
 writing and checking each cost one read of the snapshot spread over all ranks; a resume then
 reads it in one DCP load (``newest_valid`` says why checking and loading are two reads).
 The directory must be on a file system every rank sees (one node's disk, or a shared one).
@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 MARKER = "COMPLETE"
 CORRUPT_SUFFIX = ".corrupt"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+# DCP's file system writer names the data files of rank r __<r>_<n>.distcp.
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 class CheckpointError(RuntimeError):
@@ -57,10 +59,19 @@ def _digest(path):
         return {"bytes": f.tell(), "sha256": sha.hexdigest()}
 
 
-def _in_turns(names, fn):
-    """{name: fn(name)} over all ranks, each rank doing every world-th name. Collective."""
+def _hashing_rank(index, name, world):
+    """The rank that hashes the file ``name``, the index-th of the snapshot's files. A rank's data
+    file goes to the rank that wrote it (modulo the world, for a snapshot of a larger world): the
+    hash reads it from that rank's page cache right after the save, and at a resume in the same
+    world leaves it cached for that rank's DCP load. Other files go to the ranks in turns."""
+    match = _RANK_FILE.match(name)
+    return (int(match.group(1)) if match else index) % world
+
+
+def _over_ranks(names, fn):
+    """{name: fn(name)} over all ranks, each doing the files _hashing_rank gives it. Collective."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine = {name: fn(name) for name in names[rank::world]}
+    mine = {name: fn(name) for index, name in enumerate(names) if _hashing_rank(index, name, world) == rank}
     parts = [None] * world
     dist.all_gather_object(parts, mine)
     return {name: value for part in parts for name, value in part.items()}
@@ -90,7 +101,7 @@ def verify(folder):
         files = _read_marker(folder)["files"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{folder / MARKER} holds no file list ({type(e).__name__}: {e})"
-    problems = _in_turns(sorted(files), lambda name: _file_problem(folder, name, files[name]))
+    problems = _over_ranks(sorted(files), lambda name: _file_problem(folder, name, files[name]))
     found = [problem for _, problem in sorted(problems.items()) if problem]
     return "; ".join(found) or None
 
@@ -178,7 +189,7 @@ def save(directory, step, model, optimizer, data_position, device, keep):
     # dcp.save returns on every rank after the coordinator wrote the metadata, i.e. after every
     # rank's data, so every rank sees the same finished list of files.
     dcp.save(state, checkpoint_id=str(partial))
-    files = _in_turns(sorted(p.name for p in partial.iterdir()), lambda name: _digest(partial / name))
+    files = _over_ranks(sorted(p.name for p in partial.iterdir()), lambda name: _digest(partial / name))
     if rank == 0:
         _write_marker(partial, step, files)
         shutil.rmtree(final, ignore_errors=True)
