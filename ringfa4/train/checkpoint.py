@@ -2,12 +2,12 @@
 
 Layout: <dir>/step_<08d>/ holds one DCP checkpoint plus a COMPLETE marker. A snapshot is written
 into step_<08d>.partial/; the marker, written last, lists the size and SHA-256 of every file of
-the snapshot, and only then is the folder renamed, so a run killed mid-save leaves a .partial
-folder that is never read (and is cleared by the next save). A resumed run checks the newest
-snapshot against its marker before loading it; one that fails is moved aside to
-step_<08d>.corrupt and the next older one is tried. Each rank hashes the files it wrote, so
-writing and checking each cost one read of the snapshot spread over all ranks; a resume then
-reads it in one DCP load (``newest_valid`` says why checking and loading are two reads).
+the snapshot and the world size that wrote it, and only then is the folder renamed, so a run
+killed mid-save leaves a .partial folder that is never read (and is cleared by the next save). A
+resumed run checks the newest snapshot against its marker before loading it; one that fails is
+moved aside to step_<08d>.corrupt and the next older one is tried. Each rank hashes the files it
+wrote, so writing and checking each cost one read of the snapshot spread over all ranks; a resume
+then reads it in one DCP load (``newest_valid`` says why checking and loading are two reads).
 The directory must be on a file system every rank sees (one node's disk, or a shared one).
 """
 import hashlib
