@@ -67,8 +67,7 @@ def parse_args():
 
 def visible_flops(row, heads, head_dim, direction):
     """FLOPs of the causal document mask's visible pairs (see the module docstring)."""
-    pairs = sum((b - a) * (b - a + 1) // 2 for a, b in zip(row[:-1], row[1:]))
-    return flops.attention(1, 1, 1, heads, head_dim, causal=False, direction=direction) * pairs
+    return flops.attention(1, 1, 1, heads, head_dim, causal=False, direction=direction) * flops.causal_pairs(row)
 
 
 def inputs(seq, heads, kv_heads, head_dim, device, dtype, seed):
