@@ -102,10 +102,11 @@ def _choose_backend(name, q, k, v, causal, doc_ids=None):
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, backend, causal, softmax_scale, doc_ids=None):
+    def forward(ctx, q, k, v, backend, causal, softmax_scale, deterministic, doc_ids=None):
         out, lse = backend.forward(q, k, v, causal, softmax_scale, **documents.call_kwargs(doc_ids))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.backend, ctx.causal, ctx.softmax_scale, ctx.doc_ids = backend, causal, softmax_scale, doc_ids
+        ctx.deterministic = deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -113,8 +114,8 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         grads = ctx.backend.backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
-                                     **documents.call_kwargs(ctx.doc_ids))
-        return grads + (None,) * 4
+                                     deterministic=ctx.deterministic, **documents.call_kwargs(ctx.doc_ids))
+        return grads + (None,) * 5
 
 
 def _doc_rows(cu_seqlens, q, seq_len):
@@ -138,22 +139,25 @@ def _ring_documents(cu_seqlens, q, layout, group, seq_len):
     return layout, rows, ring_documents(rows, rank, world, layout, seq_len, q.device)
 
 
-def attention(q, k, v, causal=False, softmax_scale=None, backend="auto", cu_seqlens=None):
+def attention(q, k, v, causal=False, softmax_scale=None, backend="auto", cu_seqlens=None, deterministic=False):
     """Attention on one device: returns (out, lse).
 
     q (b, sq, h, d); k, v (b, sk, hk, d) with h % hk == 0; out like q; lse (b, h, sq), natural log,
     float32 (float64 for float64 inputs). Differentiable in q, k, v (lse is returned for merging and is not differentiable).
     ``cu_seqlens``: packed documents, FlashAttention's 1-D int32 varlen boundaries (ringfa4.documents);
     a query sees the keys of its own document only. Needs sq == sk.
+    ``deterministic``: the backward orders its dQ sums, so gradients are bit-identical run to run.
     """
     _check_qkv(q, k, v, causal)
+    _check_flag(deterministic, "deterministic")
     scale = _softmax_scale(softmax_scale, q.shape[-1])
     if cu_seqlens is not None and q.shape[1] != k.shape[1]:
         raise ValueError(f"cu_seqlens describes one packed sequence: q and k/v need the same length, "
                          f"got {q.shape[1]} and {k.shape[1]}")
     rows = _doc_rows(cu_seqlens, q, q.shape[1])
     doc_ids = None if rows is None else documents.local_ids(rows, q.shape[1], q.device)
-    return _Attention.apply(q, k, v, _choose_backend(backend, q, k, v, causal, doc_ids), causal, scale, doc_ids)
+    return _Attention.apply(q, k, v, _choose_backend(backend, q, k, v, causal, doc_ids), causal, scale,
+                            deterministic, doc_ids)
 
 
 def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, head_group=None, layout="zigzag",
@@ -191,7 +195,7 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, head_g
     if head_world > 1:
         q, k, v = heads.qkv_to_heads(q, k, v, head_group)
     if world == 1:
-        out, lse = _Attention.apply(q, k, v, module, causal, scale, doc_ids)
+        out, lse = _Attention.apply(q, k, v, module, causal, scale, deterministic, doc_ids)
     else:
         out, lse = RingAttention.apply(q, k, v, module, causal, scale, group, layout, bool(deterministic), docs)
     if head_world > 1:

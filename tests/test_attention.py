@@ -75,3 +75,21 @@ def test_auto_backend_on_cpu_is_the_torch_reference(caplog):
         out, _ = ringfa4.attention(q, q, q, backend="auto")
     assert torch.equal(out, ringfa4.attention(q, q, q, backend="torch")[0])
     assert "'torch'" in caplog.text
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_reaches_the_backends_backward(monkeypatch, deterministic):
+    seen = []
+    real = torch_ref.backward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["deterministic"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch_ref, "backward", spy)
+    q, k, v = (torch.randn(1, 64, 2, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out, _ = ringfa4.attention(q, k, v, causal=True, backend="torch", deterministic=deterministic)
+    out.sum().backward()
+    assert seen == [deterministic]
+    with pytest.raises(TypeError, match="deterministic must be True or False"):
+        ringfa4.attention(q, k, v, deterministic="yes")

@@ -94,6 +94,29 @@ def test_single_rank_group_is_plain_attention():
     run(_check_single_rank_group, 2, random.randrange(2**31))
 
 
+def _check_head_group_alone_keeps_deterministic(rank, world, seed):
+    """U x 1 (no ring: one attention call per rank after the all-to-all) still hands deterministic
+    to the backend's backward."""
+    ring, head = grid_groups(rank, world, world, 1)
+    seen, real = [], torch_ref.backward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["deterministic"])
+        return real(*args, **kwargs)
+
+    torch_ref.backward = spy
+    gen = torch.Generator().manual_seed(seed)
+    full = [torch.randn(1, 32, 4, 16, dtype=torch.float64, generator=gen) for _ in range(3)]
+    local = [ringfa4.shard(t, group=ring, head_group=head).requires_grad_() for t in full]
+    out = ringfa4.ring_attention(*local, causal=True, group=ring, head_group=head, backend="torch", deterministic=True)
+    out.sum().backward()
+    assert seen == [True]
+
+
+def test_head_group_without_a_ring_keeps_deterministic():
+    run(_check_head_group_alone_keeps_deterministic, 2, random.randrange(2**31))
+
+
 def grid_groups(rank, world, head_world, ring_world):
     """(ring group, head group) of ``rank``, the world cut into blocks of U x R ranks that each form a
     grid: rank = block * U * R + r * U + u, so a head group is U consecutive ranks (the fastest
