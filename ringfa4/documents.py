@@ -38,6 +38,14 @@ def _host_values(cu_seqlens, device):
     return cu_seqlens.tolist()
 
 
+def from_starts(starts):
+    """cu_seqlens (int32, on the CPU) of a (rows, s) bool mask that marks the first token of every
+    document (every row's first token among them): the rows concatenated, which for one row is the
+    form shared by a batch."""
+    flat = starts.cpu().flatten().nonzero().flatten()
+    return torch.cat([flat, flat.new_tensor([starts.numel()])]).to(torch.int32)
+
+
 def row_boundaries(cu_seqlens, batch, seq_len, device):
     """Per batch row, the document boundaries [0, ..., seq_len] (host ints); raises TypeError or
     ValueError naming cu_seqlens (see the module docstring for the two forms)."""

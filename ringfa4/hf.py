@@ -131,8 +131,7 @@ def document_boundaries(position_ids, batch, seq_len):
         raise PositionIdsError(f"position_ids step from {positions[row, i].item()} to {positions[row, i + 1].item()} "
                                f"at row {row}, index {i + 1}: within a document they count up by 1, and a new "
                                "document (packed sequences) restarts at 0")
-    starts = (positions == 0).flatten().nonzero().flatten()
-    return torch.cat([starts, starts.new_tensor([positions.numel()])]).to(torch.int32)
+    return documents.from_starts(positions == 0)
 
 
 def _document_positions(rows):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ringfa4 import documents
 from ringfa4.train.config import ConfigError
 
 CORPUS_DIR = Path(__file__).parent / "corpus"
@@ -128,9 +129,7 @@ class DocumentBoundaries:
 
     def cu_seqlens(self, inputs):
         """FlashAttention's varlen boundaries over the packed batch (b * s), int32 on the CPU."""
-        b, s = inputs.shape
-        flat = torch.nonzero(self.starts(inputs).flatten()).flatten()
-        return torch.cat([flat, torch.tensor([b * s])]).to(torch.int32)
+        return documents.from_starts(self.starts(inputs))
 
     def positions(self, inputs):
         """(b, s) positions counted from each token's document start."""
