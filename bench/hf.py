@@ -259,20 +259,11 @@ def torch_cp_batch(mesh, input_ids):
     """(input_ids, position_ids, shift_labels) of full sequences, sharded in place by PyTorch's
     context_parallel over ``mesh`` (head-tail load balance, the causal one), which stays entered
     (SDPA is its ring) for the block. Fresh tensors each time: it resizes them in place."""
-    from torch.distributed.tensor.experimental import _attention, context_parallel
-
     ids = input_ids.clone()
     positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
     labels = torch.cat([ids[:, 1:], ids.new_full((ids.shape[0], 1), hf.IGNORE_INDEX)], dim=1)  # as shard_batch
-    buffers = [ids, positions, labels]
-    options = _attention._cp_options  # private: where PyTorch keeps the load balancer switch
-    old = options.enable_load_balance
-    options.enable_load_balance = True
-    try:
-        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1] * 3, no_restore_buffers=set(buffers)):
-            yield ids, positions, labels
-    finally:
-        options.enable_load_balance = old
+    with measure.torch_context_parallel(mesh, [ids, positions, labels], [1] * 3, load_balance=True):
+        yield ids, positions, labels
 
 
 def cp_loss_fns(model, ring, cp_mesh, input_ids):

@@ -9,6 +9,7 @@ Results: a run writes its rows to a new temporary directory (and says where) unl
 record, so trying a script never replaces measured rows.
 """
 import argparse
+import contextlib
 import datetime
 import functools
 import json
@@ -118,6 +119,23 @@ def sdpa(q, k, v, causal):
 
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+@contextlib.contextmanager
+def torch_context_parallel(mesh, buffers, seq_dims, load_balance):
+    """PyTorch's context_parallel over ``mesh``, sharding ``buffers`` in place along ``seq_dims``
+    (SDPA inside the block is its ring), with its load balancer switched to ``load_balance`` for
+    the block; yields its options (rotate_method says how KV travels)."""
+    from torch.distributed.tensor.experimental import _attention, context_parallel
+
+    options = _attention._cp_options  # private: where PyTorch keeps the load balancer switch
+    old = options.enable_load_balance
+    options.enable_load_balance = load_balance
+    try:
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=seq_dims, no_restore_buffers=set(buffers)):
+            yield options
+    finally:
+        options.enable_load_balance = old
 
 
 def sdpa_layout(q, k, v):

@@ -99,19 +99,11 @@ def torch_cp(q, k, v, dout, causal, mesh):
 
     Its context stays entered while fn runs, so that fn can take turns with ours in one Timer
     call; it changes only SDPA, which ringfa4 does not call."""
-    from torch.distributed.tensor.experimental import _attention, context_parallel
-
     # Fresh buffers in SDPA's layout: CP shards them in place.
     bufs = [t.contiguous() for t in measure.sdpa_layout(q, k, v) + [dout.transpose(1, 2)]]
-    _cp_options = _attention._cp_options  # private: where PyTorch keeps the load balancer switch
-    old = _cp_options.enable_load_balance
-    _cp_options.enable_load_balance = causal
-    try:
-        with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 4, no_restore_buffers=set(bufs)):
-            leaves = [t.detach().requires_grad_() for t in bufs[:3]]
-            yield fwd_bwd(lambda *qkv: measure.sdpa(*qkv, causal), leaves, bufs[3]), str(_cp_options.rotate_method.name)
-    finally:
-        _cp_options.enable_load_balance = old
+    with measure.torch_context_parallel(mesh, bufs, [2] * 4, load_balance=causal) as options:
+        leaves = [t.detach().requires_grad_() for t in bufs[:3]]
+        yield fwd_bwd(lambda *qkv: measure.sdpa(*qkv, causal), leaves, bufs[3]), str(options.rotate_method.name)
 
 
 def enter_torch_cp(stack, q, k, v, dout, causal, mesh, say):
