@@ -42,7 +42,7 @@ import ringfa4  # noqa: E402
 from bench import measure  # noqa: E402
 from ringfa4 import backends, flops  # noqa: E402
 from ringfa4.nn import parallel  # noqa: E402
-from ringfa4.ring import comm, merge, timeline  # noqa: E402
+from ringfa4.ring import comm, heads, merge, timeline  # noqa: E402
 from ringfa4.train import launch  # noqa: E402
 
 # The ring's bf16 output vs one GPU's: two roundings of values |O| < ~4 apart, never more.
@@ -200,9 +200,9 @@ def main():
             raise SystemExit(f"--head-groups: {u} does not divide the world size {world}")
         grid = parallel.build_mesh(device.type, 1, world, cp_heads=u)
         splits[u] = grid[parallel.CP].get_group(), parallel.head_group(grid)
-    heads = [tuple(int(x) for x in pair.split(":")) for pair in args.heads.split(",")]
+    head_pairs = [tuple(int(x) for x in pair.split(":")) for pair in args.heads.split(",")]
     configs = [(int(s), True) for s in args.seqs.split(",")] + [(int(s), False) for s in args.full_seqs.split(",")]
-    for h, hk in heads:
+    for h, hk in head_pairs:
         for seq, causal in configs:
             d = args.head_dim
             q, k, v, dout = inputs(seq, h, hk, d, dtype, device, seed=1000 + seq + h + hk)
@@ -220,7 +220,7 @@ def main():
                 expected = single()
                 rings, diffs = {}, {}
                 for u, (group, head_group) in splits.items():
-                    if h % u or not (hk % u == 0 or u % hk == 0):
+                    if not heads.splits(h, hk, u):
                         say(f"U={u}: skipped, heads {h}/{hk} do not split over it", flush=True)
                         continue
                     part = functools.partial(ringfa4.shard, group=group, head_group=head_group)

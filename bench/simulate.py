@@ -114,7 +114,7 @@ def _step_spans(rank):
 def head_groups(world, h, hk, largest):
     """The U of the efficiency rows: 1 and every U dividing W that splits these heads."""
     for u in range(1, min(world, largest, h) + 1):
-        if world % u == 0 and h % u == 0 and (hk % u == 0 or u % hk == 0):
+        if world % u == 0 and heads.splits(h, hk, u):
             yield u
 
 

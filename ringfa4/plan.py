@@ -40,7 +40,7 @@ from importlib import resources
 from pathlib import Path
 
 from ringfa4 import flops
-from ringfa4.ring import balance, schedule
+from ringfa4.ring import balance, heads, schedule
 from ringfa4.ring.layout import nearest_length, required_multiple
 
 MiB = 1 << 20
@@ -386,11 +386,6 @@ class Split:
         return self.single_ms / (self.world * self.rank_ms)
 
 
-def splits_heads(heads, kv_heads, head_world):
-    """Whether a head group of this size can split these heads (ringfa4.ring.heads.check_split)."""
-    return heads % head_world == 0 and (kv_heads % head_world == 0 or head_world % kv_heads == 0)
-
-
 def _a2a_traffic(shape, head_world, ring_world):
     """(bytes sent, bytes packed) of each of the rank's all-to-alls in one fwd+bwd call: q, k, v, out
     forward, dout, dq, dk, dv backward (lse's is a few bytes). Of its L = S/(U*R) rows, each sends
@@ -426,7 +421,7 @@ def splits(topo, shape, world, max_head_group):
     """Every U x R = world whose head group fits the heads and the NVLink domain."""
     largest = min(max_head_group, max(topo.domain, 1))
     return [predict_split(topo, shape, u, world // u) for u in range(1, largest + 1)
-            if world % u == 0 and splits_heads(shape.heads, shape.kv_heads, u)]
+            if world % u == 0 and heads.splits(shape.heads, shape.kv_heads, u)]
 
 
 # ---------------------------------------------------------------- refitting a calibration file

@@ -20,6 +20,12 @@ import torch
 import torch.distributed as dist
 
 
+def splits(heads, kv_heads, head_world):
+    """Whether ``head_world`` ranks can split these heads: the query heads over the group, and the kv
+    heads split over it or each replicated to head_world / kv_heads members."""
+    return heads % head_world == 0 and (kv_heads % head_world == 0 or head_world % kv_heads == 0)
+
+
 def check_split(heads, kv_heads, head_world):
     """Raise ValueError unless ``head_world`` ranks can split these heads (see the module docstring)."""
     if heads % head_world:
