@@ -2,7 +2,8 @@
 
 One CTA owns a (tile_n x head_dim) block of K and V for one kv head and walks over every
 query tile that sees it (of every query head sharing that kv head, so GQA needs no dK/dV
-reduction), recomputing P from the lse it is given:
+reduction; or, with head_splits > 1, of its share of those heads, the shares' dK/dV summed by
+fp32 reduce-adds), recomputing P from the lse it is given:
 
     S^T = K Q^T          P^T = exp2(S^T * scale * log2(e) - lse * log2(e))
     dP^T = V dO^T        dS^T = P^T * (dP^T * scale - delta),  delta = scale * rowsum(dO * O)
@@ -17,7 +18,8 @@ dP are computed transposed so that P^T and dS^T stay in registers as the A opera
 and dK products; only dS goes through shared memory (for dQ). dK and dV stay in registers
 until the CTA is done; then they are staged in the idle Q/dO/K/V tiles and written (or added,
 into fp32 buffers) by two TMA bulk copies, whole 128-byte lines instead of scattered per-thread
-stores. No other CTA touches them. delta and the lse in log2 units come from bwd_preprocess.py.
+stores. Only the head_splits CTAs of one (K/V block, kv head) touch them. delta and the lse in
+log2 units come from bwd_preprocess.py.
 
 dQ is accumulated in "fragment order": each warp group's half of a dQ tile is one contiguous
 block of (tile_m * head_dim / 2) floats in the order its threads hold them, four registers of
@@ -157,7 +159,7 @@ class AttentionBackwardSm90:
                  mdV: cute.Tensor, mSem: Optional[cute.Tensor],
                  mKeyLo: Optional[cute.Tensor], mKeyHi: Optional[cute.Tensor],
                  mQueryBlocks: Optional[cute.Tensor], mKeyBlocks: Optional[cute.Tensor],
-                 softmax_scale: Float32, stream):
+                 softmax_scale: Float32, head_splits: Int32, stream):
         """q, dout (b, sq, h, d); k, v (b, sk, hk, d); lse2, delta (b, h, sq rounded up to
         tile_m) fp32, lse2 in log2 units with +inf on rows that see no key; dq_acc (b, h,
         sq tiles * tile_m * head_dim) fp32 in fragment order (dq_layout.py; added into); dk, dv
@@ -165,7 +167,9 @@ class AttentionBackwardSm90:
         None. With has_docs (else None), int32: key_lo, key_hi (b, sq) each query's visible
         keys (its document's); query_blocks (b, kv blocks, 2) the query tiles [first, end) each
         KV block visits; key_blocks (b, query tiles, 2) the first and last KV block visiting
-        each query tile (deterministic order), all from the host's visible_blocks."""
+        each query tile (deterministic order), all from the host's visible_blocks. head_splits:
+        CTAs per (K/V block, kv head), each taking an equal share of its query heads; more than
+        1 needs Float32 dk/dv, which the shares' reduce-adds sum."""
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype
                       or mV.element_type != self.dtype or mdO.element_type != self.dtype):
             raise TypeError("q, k, v, dout must all have the kernel's dtype")
@@ -197,7 +201,7 @@ class AttentionBackwardSm90:
         stat_layout = cute.make_layout(self.tile_m)
         tma_lse, tLSE = cpasync.make_tiled_tma_atom(g2s, mLSE, stat_layout, (self.tile_m,))
         tma_delta, tDelta = cpasync.make_tiled_tma_atom(g2s, mDelta, stat_layout, (self.tile_m,))
-        # dK, dV: one owner CTA per block, so "add into" fp32 buffers is a plain reduce-add.
+        # dK, dV: "add into" fp32 buffers is a reduce-add, which also sums the head_splits shares.
         s2g = (cpasync.CopyBulkTensorTileS2GOp() if const_expr(self.dkv_dtype == self.dtype)
                else cpasync.CopyReduceBulkTensorTileS2GOp())
         tma_dk, tdK = cpasync.make_tiled_tma_atom(s2g, mdK, self.sdKV_layout, (self.tile_n, d))
@@ -208,12 +212,12 @@ class AttentionBackwardSm90:
         self.bytes_kv = 2 * self.tile_n * tile_bytes
 
         num_kv_heads = cute.size(mK.shape[2])
-        grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), num_kv_heads,
+        grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), num_kv_heads * head_splits,
                 cute.size(mK.shape[3]))
         self.kernel(
             tQ, tK, tV, tdO, tLSE, tDelta, mdQ, tdK, tdV, mSem,
             tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv,
-            Float32(softmax_scale), Float32(softmax_scale * LOG2_E),
+            Float32(softmax_scale), Float32(softmax_scale * LOG2_E), Int32(head_splits),
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout, self.sdS_layout,
             self.sdKV_layout, self.mma_sdp, self.mma_dkv, self.mma_dq, Storage,
             mKeyLo, mKeyHi, mQueryBlocks, mKeyBlocks,
@@ -227,7 +231,7 @@ class AttentionBackwardSm90:
                tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
                tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_delta: cute.CopyAtom,
                tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom,
-               softmax_scale: Float32, scale_log2: Float32,
+               softmax_scale: Float32, scale_log2: Float32, head_splits: Int32,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sdKV_layout: cute.ComposedLayout,
@@ -239,7 +243,8 @@ class AttentionBackwardSm90:
                mQueryBlocks: Optional[cute.Tensor], mKeyBlocks: Optional[cute.Tensor]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, kv_head, batch = cute.arch.block_idx()
+        n_block, kv_slot, batch = cute.arch.block_idx()
+        kv_head = kv_slot // head_splits
         num_n_blocks = cute.ceil_div(tK.shape[0], self.tile_n)
         if const_expr(self.causal and self.deterministic):
             # Shortest KV blocks first: with the reversed reduction order of _store_dq, the
@@ -277,9 +282,11 @@ class AttentionBackwardSm90:
             if const_expr(self.causal):
                 m_block_min = n_block * self.tile_n // self.tile_m
             steps_per_head = num_m_blocks - m_block_min
-        # Every query head of this kv head's group (GQA) adds into the same dK, dV registers.
-        group = tQ.shape[2] // tK.shape[2]
-        num_steps = steps_per_head * group
+        # Every query head of this CTA's share of the kv head's group (GQA) adds into the same
+        # dK, dV registers; the shares of one kv head are consecutive slots, so the CTA's first
+        # query head is kv_slot * heads.
+        heads = tQ.shape[2] // tK.shape[2] // head_splits
+        num_steps = steps_per_head * heads
         # Each role below builds its own BwdStepScheduler, so the first head's multiply stays in
         # the branch that uses it instead of on every warp's path.
 
@@ -289,17 +296,17 @@ class AttentionBackwardSm90:
                 self._load(tQ, tK, tV, tdO, tLSE, tDelta, sQ, sK, sV, sdO, sLSE, sDelta,
                            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, pipe_q, pipe_do,
                            mbar_kv, n_block, kv_head, batch,
-                           BwdStepScheduler(kv_head * group, m_block_min, steps_per_head), num_steps)
+                           BwdStepScheduler(kv_slot * heads, m_block_min, steps_per_head), num_steps)
             if warp_idx == 1:
                 self._store_dq(mdQ, sdQ, mSem, mKeyBlocks, n_block, num_n_blocks, batch,
-                               BwdStepScheduler(kv_head * group, m_block_min, steps_per_head), num_steps)
+                               BwdStepScheduler(kv_slot * heads, m_block_min, steps_per_head), num_steps)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             acc_dK, acc_dV = self._mma(
                 sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, pipe_q, pipe_do, mbar_kv, mma_sdp,
                 mma_dkv, mma_dq, tidx - WG_THREADS, softmax_scale, scale_log2,
                 seqlen_q, seqlen_k, n_block, batch, mKeyLo, mKeyHi,
-                BwdStepScheduler(kv_head * group, m_block_min, steps_per_head),
+                BwdStepScheduler(kv_slot * heads, m_block_min, steps_per_head),
                 num_steps)
             self._epilogue_dkv(acc_dK, acc_dV, tiles, sdKV_layout, tdK, tdV, tma_dk, tma_dv,
                                mma_dkv, tidx - WG_THREADS, n_block, kv_head, batch)

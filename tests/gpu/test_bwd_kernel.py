@@ -94,6 +94,36 @@ def test_gradients_match_fp64_reference(b, sq, sk, h, hk, d, causal, dtype):
         _assert_close(name, got, r64, rlow)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("b,s,h,hk,d,causal", [(1, 2048, 32, 8, 128, True), (1, 640, 6, 1, 64, False),
+                                               (2, 1024, 8, 2, 128, False)])
+def test_query_heads_split_over_ctas_when_kv_blocks_are_few(b, s, h, hk, d, causal, deterministic):
+    """Few K/V blocks: the query heads of a kv head are shared by several CTAs (asserted, so the
+    case cannot drift out of the test) whose dK/dV sum in fp32; deterministic runs repeat bit
+    for bit, given fp32 buffers receive the sum added."""
+    splits = cute_backend.interface.head_splits(b, s, s, h, hk, d, causal, deterministic,
+                                                torch.cuda.get_device_properties(0).multi_processor_count)
+    assert splits > 1
+    scale = d ** -0.5
+    q, k, v, dout = _inputs(b, s, s, h, hk, d, torch.bfloat16, seed=s + h)
+    out, lse, g64, glow = _references(q, k, v, dout, causal, scale)
+    _poison_allocator(q, k, v, q.float())
+    first = cute_backend.backward(dout, q, k, v, out, lse, causal, scale, deterministic=deterministic)
+    for name, got, r64, rlow in zip("dq dk dv".split(), first, g64, glow):
+        _assert_close(name, got, r64, rlow)
+    init = [torch.randn(t.shape, device="cuda") for t in (k, v)]
+    bufs = [t.clone() for t in init]
+    again = cute_backend.backward(dout, q, k, v, out, lse, causal, scale, None, *bufs,
+                                  deterministic=deterministic)
+    for name, got, buf, i, r64, rlow in zip(("dk", "dv"), again[1:], bufs, init, g64[1:], glow[1:]):
+        assert got is buf, f"{name}: the given buffer must be returned"
+        _assert_close(name, buf - i, r64, rlow)
+    if deterministic:
+        for name, a, c in zip("dq dk dv".split(), first, cute_backend.backward(
+                dout, q, k, v, out, lse, causal, scale, deterministic=True)):
+            assert torch.equal(a, c), f"{name} differs between two deterministic runs"
+
+
 def test_rows_with_no_visible_key_contribute_zero():
     """lse = -inf (and out = 0) rows, as the ring produces for a query chunk that sees none of
     a KV block, give zero dq and leave dk, dv as if their dout were zero."""

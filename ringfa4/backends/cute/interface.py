@@ -50,6 +50,11 @@ def _scale(softmax_scale, head_dim):
     return head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
 
 
+def _sms(t):
+    """SMs of the GPU holding ``t``."""
+    return num_sms(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
 def _check_given(name, t, shape, dtype, device):
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
         raise ValueError(
@@ -132,10 +137,38 @@ def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc
         raise ValueError(f"config {config.name} does not match dtype={q.dtype}, head_dim={d}, "
                          f"causal={causal}, documents={has_docs}")
     key_lo, key_hi = visible_keys(doc_ids) if has_docs else (None, None)
-    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     compiled(config)(q.detach(), k.detach(), v.detach(), out.detach(), lse, key_lo, key_hi,
-                     _scale(softmax_scale, d), num_sms(device))
+                     _scale(softmax_scale, d), _sms(q))
     return out, lse
+
+
+def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, deterministic, sms):
+    """How many backward CTAs share the query heads of one (K/V block, kv head) (GQA).
+
+    One CTA walking every query head of its group needs no dK/dV reduction, but with few K/V
+    blocks that grid leaves SMs idle (non-causal) or ends on its longest causal blocks (a block
+    near the start of the sequence is visited by every query tile of every head of the group).
+    The group is halved while that is so: non-causal while half the SMs would still idle,
+    causal while the longest CTA holds more than half an SM's even share. Shares sum dK/dV by
+    fp32 reduce-adds, whose order varies; deterministic mode takes 2 shares at most, summed
+    into zeros, where either order gives the same bits."""
+    group = heads // kv_heads
+    tile_m, tile_n = query_tile(head_dim), key_tile()
+    m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
+    ctas = n_blocks * kv_heads * batch
+    # causal: K/V block j is visited by the query tiles from j * tile_n / tile_m on
+    per_head = (n_blocks * m_blocks - tile_n // tile_m * n_blocks * (n_blocks - 1) // 2 if causal
+                else n_blocks * m_blocks)
+    even_share = per_head * group * kv_heads * batch / sms
+    limit = 2 if deterministic else group
+    splits = 1
+    while splits * 2 <= limit and group % (splits * 2) == 0:
+        if causal and m_blocks * group / splits <= even_share / 2:
+            break
+        if not causal and ctas * splits * 2 > sms:
+            break
+        splits *= 2
+    return splits
 
 
 def _added(given, fresh):
@@ -165,25 +198,32 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     else:
         rows = query_rows(dout, out, lse, scale)
 
-    # fp32 dk/dv the kernel can address are added into by the kernel; else it writes new ones.
-    dkv_fp32 = all(t is not None and t.dtype == torch.float32 and tma_compatible(t) for t in (dk, dv))
-    dk_out, dv_out = (dk, dv) if dkv_fp32 else (torch.empty_like(k, memory_format=torch.contiguous_format),
-                                                torch.empty_like(v, memory_format=torch.contiguous_format))
+    splits = head_splits(b, sq, sk, h, hk, d, causal, deterministic, _sms(q))
+    # fp32 dk/dv the kernel can address are added into by the kernel; else it writes new ones,
+    # or, with split heads, sums them into zeroed fp32 ones (always so when deterministic).
+    given_fp32 = all(t is not None and t.dtype == torch.float32 and tma_compatible(t) for t in (dk, dv))
+    if given_fp32 and not (splits > 1 and deterministic):
+        dk_out, dv_out = dk, dv
+    elif splits > 1:
+        dk_out, dv_out = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+    else:
+        dk_out, dv_out = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
     sem = (torch.zeros((b, h, padded_rows(sq, d) // query_tile(d)), dtype=torch.int32, device=q.device)
            if deterministic else None)
-    config = BwdSm90Config(DTYPE_NAMES[q.dtype], d, bool(causal), bool(deterministic), dkv_fp32,
-                           doc_ids is not None)
+    config = BwdSm90Config(DTYPE_NAMES[q.dtype], d, bool(causal), bool(deterministic),
+                           dk_out.dtype == torch.float32, doc_ids is not None)
     docs = (None,) * 4 if doc_ids is None else visible_blocks(doc_ids, causal, d)
     compiled(config)(q.detach(), k.detach(), v.detach(), dout, rows.lse2, rows.delta, rows.dq_acc,
-                     dk_out, dv_out, sem, *docs, scale)
+                     dk_out, dv_out, sem, *docs, scale, splits)
 
     if rows is not dq:  # dq <- (or +=) the accumulator; a dq it cannot address gets a fresh one added
         add = dq is not None and tma_compatible(dq)
         dq_out = dq if add else torch.empty_like(q, memory_format=torch.contiguous_format)
         postprocess_dq(rows.dq_acc, dq_out, add)
         dq = dq_out if add else _added(dq, dq_out)
-    if not dkv_fp32:
-        dk, dv = _added(dk, dk_out), _added(dv, dv_out)
+    if dk_out is not dk:
+        dk, dv = (_added(given, fresh if given is not None else fresh.to(t.dtype))
+                  for given, fresh, t in ((dk, dk_out, k), (dv, dv_out, v)))
     return dq, dk, dv
 
 
