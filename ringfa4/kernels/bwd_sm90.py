@@ -3,7 +3,7 @@
 One CTA owns a (tile_n x head_dim) block of K and V for one kv head and walks over every
 query tile that sees it (of every query head sharing that kv head, so GQA needs no dK/dV
 reduction; or, with head_splits > 1, of its share of those heads, the shares' dK/dV summed by
-fp32 reduce-adds), recomputing P from the lse it is given:
+fp32 reduce-adds or written apart for the host to sum), recomputing P from the lse it is given:
 
     S^T = K Q^T          P^T = exp2(S^T * scale * log2(e) - lse * log2(e))
     dP^T = V dO^T        dS^T = P^T * (dP^T * scale - delta),  delta = scale * rowsum(dO * O)
@@ -163,13 +163,13 @@ class AttentionBackwardSm90:
         """q, dout (b, sq, h, d); k, v (b, sk, hk, d); lse2, delta (b, h, sq rounded up to
         tile_m) fp32, lse2 in log2 units with +inf on rows that see no key; dq_acc (b, h,
         sq tiles * tile_m * head_dim) fp32 in fragment order (dq_layout.py; added into); dk, dv
-        (b, sk, hk, d) of dkv_dtype; sem (b, h, sq tiles) int32 zeros when deterministic, else
-        None. With has_docs (else None), int32: key_lo, key_hi (b, sq) each query's visible
+        (b, sk, hk, d) of dkv_dtype, or (b, sk, hk * head_splits, d) fp32, a head per share;
+        sem (b, h, sq tiles) int32 zeros when deterministic, else None. With has_docs (else None), int32: key_lo, key_hi (b, sq) each query's visible
         keys (its document's); query_blocks (b, kv blocks, 2) the query tiles [first, end) each
         KV block visits; key_blocks (b, query tiles, 2) the first and last KV block visiting
         each query tile (deterministic order), all from the host's visible_blocks. head_splits:
         CTAs per (K/V block, kv head), each taking an equal share of its query heads; more than
-        1 needs Float32 dk/dv, which the shares' reduce-adds sum."""
+        1 needs Float32 dk/dv: the shares reduce-add into a kv head's, or each into its own."""
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype
                       or mV.element_type != self.dtype or mdO.element_type != self.dtype):
             raise TypeError("q, k, v, dout must all have the kernel's dtype")
@@ -308,8 +308,11 @@ class AttentionBackwardSm90:
                 seqlen_q, seqlen_k, n_block, batch, mKeyLo, mKeyHi,
                 BwdStepScheduler(kv_slot * heads, m_block_min, steps_per_head),
                 num_steps)
+            # dk/dv hold a head per kv head, whose shares add into it, or one per share (the
+            # host sums the shares in a fixed order: deterministic mode).
+            dkv_head = kv_slot * tdK.shape[2] // (tK.shape[2] * head_splits)
             self._epilogue_dkv(acc_dK, acc_dV, tiles, sdKV_layout, tdK, tdV, tma_dk, tma_dv,
-                               mma_dkv, tidx - WG_THREADS, n_block, kv_head, batch)
+                               mma_dkv, tidx - WG_THREADS, n_block, dkv_head, batch)
 
     @cute.jit
     def _pipelines(self, st, warp_idx):
