@@ -10,10 +10,21 @@
         --text '/data/books/*.txt' --seq-len 65536 --cp 4 --global-batch 2 --steps 1000 --lr 2e-5 \
         --activation-checkpointing --checkpoint-dir /ckpt/llama-64k --resume
 
+    # Packed documents: each sequence holds several documents, each attending to itself only:
+    torchrun --nproc_per_node=2 examples/hf_finetune.py --packed-documents --layout document_zigzag
+
 Every rank holds seq_len / cp tokens of each sequence (ringfa4.hf.Ring.shard_batch, zigzag by
 default) and the attention runs around the cp ring (ringfa4.hf.register). Rank 0 reads the
 weights (or draws the tiny model's) and broadcasts each rank its shard, so a node holds one
 full copy in host memory, not one per GPU. Needs `pip install "ringfa4[hf]"`.
+
+The data is one stream of tokens cut into sequences. With --packed-documents the stream's
+end-of-text marks end its documents: a blank line in the byte-level text of the tiny model (the
+shipped corpus separates its stories so), the tokenizer's EOS token, appended after every --text
+file, for a --model (a file is a document). position_ids restart at 0 at every document start,
+transformers' packed format (DataCollatorWithFlattening's); Ring.shard_batch turns them into the
+documents' boundaries, so a token attends to its own document only (layout document_zigzag
+balances the ring over them) and a document's last token is not scored against the next one.
 """
 import argparse
 import glob
@@ -25,10 +36,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from ringfa4 import hf
+from ringfa4 import documents, hf
 from ringfa4.nn import build_mesh
 from ringfa4.nn.parallel import CP, DP_SHARD
 from ringfa4.train import checkpoint, data, launch, metrics
+
+BLANK_LINE = b"\n\n"  # ends a document of byte-level text (--packed-documents), as in the trainer's data=text
 
 
 def parse_args(argv=None):
@@ -39,7 +52,12 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--global-batch", type=int, default=4, help="sequences per step over all data-parallel ranks")
     p.add_argument("--cp", type=int, default=None, help="ranks per ring (default: all); dp_shard = world / cp")
-    p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"))
+    p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous", "document_zigzag"),
+                   help="how a sequence is cut over the ring; document_zigzag cuts every document (--packed-documents)")
+    p.add_argument("--packed-documents", action="store_true",
+                   help="several documents per sequence, each attending to itself only; a document ends at a "
+                        "blank line of the tiny model's byte-level text, at the EOS token appended after every "
+                        "--text file for a --model")
     p.add_argument("--backend", default="auto", help="ringfa4 attention backend: auto, cute, fa4, torch")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -59,6 +77,8 @@ def parse_args(argv=None):
         p.error(f"--metrics: {problem}")
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
+    if args.layout == documents.DOCUMENT_ZIGZAG and not args.packed_documents:
+        p.error(f"--layout {documents.DOCUMENT_ZIGZAG} cuts documents: it needs --packed-documents")
     return args
 
 
@@ -102,17 +122,32 @@ def build_model(args, ring, mesh, device):
 
 
 def token_stream(args, vocab_size):
-    """Byte-level tokens of the text for the tiny model; the model's own tokenizer's otherwise."""
+    """Byte-level tokens of the text for the tiny model, the model's own tokenizer's otherwise; and
+    with --packed-documents where its documents end (data.DocumentBoundaries), else None."""
     if not args.model:
-        return data.text_stream(args.text)
+        ends = data.DocumentBoundaries(tuple(BLANK_LINE)) if args.packed_documents else None
+        return data.text_stream(args.text), ends
     from transformers import AutoTokenizer
 
     files = sorted(f for pattern in args.text for f in glob.glob(os.path.expanduser(pattern)))
     if not files:
         raise SystemExit("--text names no file: a real model fine-tunes on your text (--text FILE_OR_GLOB ...)")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    ids = [i for f in files for i in tokenizer(open(f, encoding="utf-8").read())["input_ids"]]
-    return data.TokenStream(torch.tensor(ids, dtype=torch.int64), vocab_size, f"{len(files)} text file(s)")
+    eos = [tokenizer.eos_token_id] if args.packed_documents else []
+    if eos == [None]:
+        raise SystemExit(f"--packed-documents ends every --text file with the tokenizer's EOS token, and the "
+                         f"tokenizer of {args.model} has none")
+    ids = [i for f in files for i in tokenizer(open(f, encoding="utf-8").read())["input_ids"] + eos]
+    stream = data.TokenStream(torch.tensor(ids, dtype=torch.int64), vocab_size, f"{len(files)} text file(s)")
+    return stream, (data.DocumentBoundaries(tuple(eos)) if eos else None)
+
+
+def load_batch(sampler, ends, first, count, seq_len, vocab_size):
+    """Samples first .. first+count-1 as full sequences: input_ids (count, seq_len), and position_ids
+    that restart at 0 at every document start where ``ends`` (packed documents) is given, else None
+    (one document per sequence)."""
+    input_ids = data.load_samples(sampler, first, count, vocab_size)[:, :seq_len]
+    return input_ids, (None if ends is None else ends.positions(input_ids))
 
 
 def main(argv=None):
@@ -133,7 +168,8 @@ def train(args, device):
     ring = hf.register(mesh[CP].get_group(), layout=args.layout, backend=args.backend)
     model, config = build_model(args, ring, mesh, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sampler = data.StreamSampler(token_stream(args, config.vocab_size), args.seq_len, args.seed)
+    stream, ends = token_stream(args, config.vocab_size)
+    sampler = data.StreamSampler(stream, args.seq_len, args.seed)
     local_batch = args.global_batch // (world // cp)
 
     start, position = 0, 0
@@ -143,6 +179,7 @@ def train(args, device):
     writer = metrics.Writer(args.metrics if rank == 0 else [], args.steps, args.run_dir, config=vars(args))
     say(f"{world} rank(s) on {device.type}, dp_shard={world // cp} x cp={cp} ({args.layout}), "
         f"{args.model or 'tiny random Llama'}, seq_len={args.seq_len}, global batch {args.global_batch}"
+        + (", packed documents" if ends is not None else "")
         + (f", resumed at step {start}" if start else ""))
     flops_per_step = hf.flops_per_token(config, args.seq_len) * args.global_batch * args.seq_len
     peak, last = metrics.peak_flops(device), time.perf_counter()
@@ -151,8 +188,9 @@ def train(args, device):
         for group in optimizer.param_groups:
             group["lr"] = lr
         first = position + mesh.get_local_rank(DP_SHARD) * local_batch
-        input_ids = data.load_samples(sampler, first, local_batch, config.vocab_size)[:, :args.seq_len]
-        batch = {k: t.to(device) for k, t in ring.shard_batch(input_ids).items()}
+        input_ids, position_ids = load_batch(sampler, ends, first, local_batch, args.seq_len, config.vocab_size)
+        batch = ring.shard_batch(input_ids, position_ids=position_ids)
+        batch = {k: t if k == "cu_seqlens" else t.to(device) for k, t in batch.items()}  # read on the host
         share = hf.causal_lm_loss(model, batch, hf.global_token_count(batch))
         share.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
