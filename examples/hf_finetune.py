@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from ringfa4 import documents, hf
+from ringfa4 import documents, flops, hf
 from ringfa4.nn import build_mesh
 from ringfa4.nn.parallel import CP, DP_SHARD
 from ringfa4.train import checkpoint, data, launch, metrics
@@ -150,6 +150,14 @@ def load_batch(sampler, ends, first, count, seq_len, vocab_size):
     return input_ids, (None if ends is None else ends.positions(input_ids))
 
 
+def hidden_pairs(cu_seqlens, seq_len):
+    """Causal (query, key) pairs that packed documents hide in rows of ``seq_len`` tokens
+    (``cu_seqlens``: Ring.shard_batch's, on the host); model FLOPs count each row as one causal
+    sequence, so a step's count drops by these, as the trainer's does."""
+    bounds = cu_seqlens.tolist()
+    return bounds[-1] // seq_len * flops.causal_pairs([0, seq_len]) - flops.causal_pairs(bounds)
+
+
 def main(argv=None):
     args = parse_args(argv)
     dev_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -182,6 +190,7 @@ def train(args, device):
         + (", packed documents" if ends is not None else "")
         + (f", resumed at step {start}" if start else ""))
     flops_per_step = hf.flops_per_token(config, args.seq_len) * args.global_batch * args.seq_len
+    pair_flops = 2 * (hf.flops_per_token(config, 1) - hf.flops_per_token(config, 0))  # s * s / 2 pairs per row
     peak, last = metrics.peak_flops(device), time.perf_counter()
     for step in range(start + 1, args.steps + 1):
         lr = args.lr * min(1.0, step / max(1, args.warmup))
@@ -197,16 +206,21 @@ def train(args, device):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         position += args.global_batch
-        loss = share.detach().clone()
-        dist.all_reduce(loss)
-        if not math.isfinite(loss.item()):
-            raise FloatingPointError(f"loss is {loss.item()} at step {step}; no checkpoint written")
+        # The global loss, and the pairs hidden in the global batch: a ring's ranks share their rows.
+        totals = torch.tensor([0.0, hidden_pairs(batch["cu_seqlens"], args.seq_len) / cp], dtype=torch.float64,
+                              device=device)
+        totals[0] = share.detach()
+        dist.all_reduce(totals)
+        loss, hidden = totals.tolist()
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {step}; no checkpoint written")
         now = time.perf_counter()
         seconds, last = now - last, now
-        writer.write({"step": step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.full_tensor().item(),
+        step_flops = flops_per_step - pair_flops * hidden
+        writer.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.full_tensor().item(),
                       "tokens_per_s": args.global_batch * args.seq_len / seconds,
-                      "tflops_per_device": flops_per_step / world / seconds / 1e12,
-                      "mfu": flops_per_step / world / seconds / peak if peak else None,
+                      "tflops_per_device": step_flops / world / seconds / 1e12,
+                      "mfu": step_flops / world / seconds / peak if peak else None,
                       "peak_mem_gib": metrics.peak_memory_gib(device)})
         if args.checkpoint_dir and (step % args.checkpoint_interval == 0 or step == args.steps):
             checkpoint.save(args.checkpoint_dir, step, model, optimizer, position, device, keep=2)
