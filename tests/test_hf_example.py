@@ -143,3 +143,23 @@ def test_model_flops_leave_out_the_pairs_packed_documents_hide():
     # Two rows of 8 tokens, concatenated: documents of 3 and 5 tokens, then one of 8.
     assert hidden_pairs(torch.tensor([0, 3, 8, 16], dtype=torch.int32), 8) == 36 - (6 + 15)
     assert hidden_pairs(torch.tensor([0, 8], dtype=torch.int32), 8) == 0  # one document per row, shared
+
+
+def test_packed_documents_of_a_model_end_every_text_file_with_its_eos_token(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {"[UNK]": 0, "</s>": 1, "the": 2, "owl": 3, "fox": 4, "slept": 5}
+    backend = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>",
+                                         unk_token="[UNK]").save_pretrained(tmp_path / "model")
+    (tmp_path / "a.txt").write_text("the owl slept")
+    (tmp_path / "b.txt").write_text("the fox")
+    example = load_example()
+    given = ["--model", str(tmp_path / "model"), "--text", str(tmp_path / "*.txt")]
+
+    stream, ends = example.token_stream(example.parse_args(given), len(words))
+    assert stream.tokens.tolist() == [2, 3, 5, 2, 4] and ends is None
+    stream, ends = example.token_stream(example.parse_args([*given, "--packed-documents"]), len(words))
+    assert stream.tokens.tolist() == [2, 3, 5, 1, 2, 4, 1]
+    assert ends.positions(stream.tokens[None]).tolist() == [[0, 1, 2, 3, 0, 1, 2]]
