@@ -11,15 +11,15 @@
         --activation-checkpointing --checkpoint-dir /ckpt/llama-64k --resume
 
     # Packed documents: each sequence holds several documents, each attending to itself only:
-    torchrun --nproc_per_node=2 examples/hf_finetune.py --packed-documents --layout document_zigzag
+    torchrun --nproc_per_node=2 examples/hf_finetune.py --packed-documents --layout document_zigzag --seq-len 1024
 
 Every rank holds seq_len / cp tokens of each sequence (ringfa4.hf.Ring.shard_batch, zigzag by
 default) and the attention runs around the cp ring (ringfa4.hf.register). Rank 0 reads the
 weights (or draws the tiny model's) and broadcasts each rank its shard, so a node holds one
 full copy in host memory, not one per GPU. Needs `pip install "ringfa4[hf]"`.
 
-The data is one stream of tokens cut into sequences. With --packed-documents the stream's
-end-of-text marks end its documents: a blank line in the byte-level text of the tiny model (the
+The data is one stream of tokens cut into sequences. With --packed-documents a document of the
+stream ends at an end-of-text mark: a blank line in the byte-level text of the tiny model (the
 shipped corpus separates its stories so), the tokenizer's EOS token, appended after every --text
 file, for a --model (a file is a document). position_ids restart at 0 at every document start,
 transformers' packed format (DataCollatorWithFlattening's); Ring.shard_batch turns them into the
