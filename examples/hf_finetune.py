@@ -150,14 +150,6 @@ def load_batch(sampler, ends, first, count, seq_len, vocab_size):
     return input_ids, (None if ends is None else ends.positions(input_ids))
 
 
-def hidden_pairs(cu_seqlens, seq_len):
-    """Causal (query, key) pairs that packed documents hide in rows of ``seq_len`` tokens
-    (``cu_seqlens``: Ring.shard_batch's, on the host); model FLOPs count each row as one causal
-    sequence, so a step's count drops by these, as the trainer's does."""
-    bounds = cu_seqlens.tolist()
-    return bounds[-1] // seq_len * flops.causal_pairs([0, seq_len]) - flops.causal_pairs(bounds)
-
-
 def main(argv=None):
     args = parse_args(argv)
     dev_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -207,7 +199,7 @@ def train(args, device):
         optimizer.zero_grad(set_to_none=True)
         position += args.global_batch
         # The global loss, and the pairs hidden in the global batch: a ring's ranks share their rows.
-        totals = torch.tensor([0.0, hidden_pairs(batch["cu_seqlens"], args.seq_len) / cp], dtype=torch.float64,
+        totals = torch.tensor([0.0, flops.hidden_pairs(batch["cu_seqlens"].tolist(), args.seq_len) / cp], dtype=torch.float64,
                               device=device)
         totals[0] = share.detach()
         dist.all_reduce(totals)

@@ -37,6 +37,13 @@ def causal_pairs(cu_seqlens):
     return sum((end - start) * (end - start + 1) // 2 for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]))
 
 
+def hidden_pairs(cu_seqlens, seq_len):
+    """Causal pairs packed documents hide in rows of ``seq_len`` tokens, each row starting a
+    document: model FLOPs count a row as one causal sequence, so a step's count drops by these.
+    ``cu_seqlens``: host ints over the rows laid end to end."""
+    return cu_seqlens[-1] // seq_len * causal_pairs([0, seq_len]) - causal_pairs(cu_seqlens)
+
+
 def tflops(flops, ms):
     """TFLOP/s of ``flops`` done in ``ms`` milliseconds."""
     if not ms > 0:

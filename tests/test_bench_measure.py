@@ -22,6 +22,12 @@ def test_backward_counts_two_and_a_half_forwards():
     assert flops.tflops(1e12, 1000.0) == pytest.approx(1.0)
 
 
+def test_packed_documents_hide_the_causal_pairs_across_their_boundaries():
+    # Two rows of 8 tokens, end to end: documents of 3 and 5 tokens, then one of 8.
+    assert flops.hidden_pairs([0, 3, 8, 16], 8) == 2 * 36 - (6 + 15 + 36)
+    assert flops.hidden_pairs([0, 8], 8) == 0
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(direction="backward"), "direction must be one of"),
     (dict(seq_q=1.5), "seq_q must be a non-negative int"),

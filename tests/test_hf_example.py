@@ -138,13 +138,6 @@ def test_document_zigzag_needs_packed_documents(capsys):
     assert "--layout document_zigzag cuts documents: it needs --packed-documents" in capsys.readouterr().err
 
 
-def test_model_flops_leave_out_the_pairs_packed_documents_hide():
-    hidden_pairs = load_example().hidden_pairs
-    # Two rows of 8 tokens, concatenated: documents of 3 and 5 tokens, then one of 8.
-    assert hidden_pairs(torch.tensor([0, 3, 8, 16], dtype=torch.int32), 8) == 36 - (6 + 15)
-    assert hidden_pairs(torch.tensor([0, 8], dtype=torch.int32), 8) == 0  # one document per row, shared
-
-
 def test_packed_documents_of_a_model_end_every_text_file_with_its_eos_token(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 

@@ -166,9 +166,7 @@ class Log:
         starting a document as data.DocumentBoundaries makes them)."""
         self.pending.append((step, loss))
         if cu_seqlens is not None:
-            bounds = cu_seqlens.tolist()
-            rows = bounds[-1] // self.seq_len
-            self.hidden_pairs += rows * flops.causal_pairs([0, self.seq_len]) - flops.causal_pairs(bounds)
+            self.hidden_pairs += flops.hidden_pairs(cu_seqlens.tolist(), self.seq_len)
 
     def _take_hidden_pairs(self):
         """The causal pairs the documents of the whole global batch hid since the last record.
