@@ -96,7 +96,7 @@ def test_gradients_match_fp64_reference(b, sq, sk, h, hk, d, causal, dtype):
 
 @pytest.mark.parametrize("b,s,h,hk,d,causal,deterministic", [
     (1, 2048, 32, 8, 128, True, False), (1, 640, 6, 1, 64, False, False), (2, 1024, 8, 2, 128, False, False),
-    (1, 8192, 4, 2, 64, True, True)])
+    (1, 2048, 32, 8, 128, True, True), (1, 8192, 4, 2, 64, True, True)])
 def test_query_heads_split_over_ctas_when_kv_blocks_are_few(b, s, h, hk, d, causal, deterministic):
     """Few K/V blocks (or, deterministic, long causal keys): the query heads of a kv head are
     shared by several CTAs (asserted, so the case cannot drift out of the test) whose dK/dV sum

@@ -154,15 +154,15 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
     near the start of the sequence is visited by every query tile of every head of the group).
     The group is halved while that is so: non-causal while half the SMs would still idle,
     causal while the longest CTA holds more than half an SM's even share. Shares sum dK/dV by
-    fp32 reduce-adds, whose order varies. Deterministic mode, which orders each dQ tile's
-    reductions over the K/V blocks, ran causal attention from 8k keys on at 0.64-0.78x of the
-    default with a group of 4 heads per CTA and at 0.93-0.96x with one (H200, 32/8 heads), so
-    there it takes one query head per CTA, each share writing its own dK/dV for the host to sum
-    in a fixed order; shorter or non-causal, those fp32 shares cost more than they save (0.59-0.90x
-    against 0.85-0.97x unsplit), and it does not split."""
+    fp32 reduce-adds, whose order varies.
+
+    Deterministic mode orders each dQ tile's reductions over the K/V blocks. Causal, from 8k
+    keys on, it ran at 0.64-0.78x of the default with a group of 4 heads per CTA and at
+    0.93-0.96x with one (H200, 32/8 heads); so there, and where the default splits, it takes one
+    query head per CTA, each share writing its own dK/dV for the host to sum in a fixed order.
+    Otherwise those fp32 shares cost more than they save (0.59-0.90x of the default against
+    0.85-0.97x unsplit) and it does not split."""
     group = heads // kv_heads
-    if deterministic:
-        return group if causal and seqlen_k >= DETERMINISTIC_SPLIT_KEYS else 1
     tile_m, tile_n = query_tile(head_dim), key_tile()
     m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
     ctas = n_blocks * kv_heads * batch
@@ -177,6 +177,8 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
         if not causal and ctas * splits * 2 > sms:
             break
         splits *= 2
+    if deterministic:
+        return group if causal and (splits > 1 or seqlen_k >= DETERMINISTIC_SPLIT_KEYS) else 1
     return splits
 
 
