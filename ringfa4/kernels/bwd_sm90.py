@@ -164,10 +164,11 @@ class AttentionBackwardSm90:
         tile_m) fp32, lse2 in log2 units with +inf on rows that see no key; dq_acc (b, h,
         sq tiles * tile_m * head_dim) fp32 in fragment order (dq_layout.py; added into); dk, dv
         (b, sk, hk, d) of dkv_dtype, or (b, sk, hk * head_splits, d) fp32, a head per share;
-        sem (b, h, sq tiles) int32 zeros when deterministic, else None. With has_docs (else None), int32: key_lo, key_hi (b, sq) each query's visible
-        keys (its document's); query_blocks (b, kv blocks, 2) the query tiles [first, end) each
-        KV block visits; key_blocks (b, query tiles, 2) the first and last KV block visiting
-        each query tile (deterministic order), all from the host's visible_blocks. head_splits:
+        sem (b, h, sq tiles) int32 zeros when deterministic, else None. With has_docs (else
+        None), int32: key_lo, key_hi (b, sq) each query's visible keys (its document's);
+        query_blocks (b, kv blocks, 2) the query tiles [first, end) each KV block visits;
+        key_blocks (b, query tiles, 2) the first and last KV block visiting each query tile
+        (deterministic order), all from the host's visible_blocks. head_splits:
         CTAs per (K/V block, kv head), each taking an equal share of its query heads; more than
         1 needs Float32 dk/dv: the shares reduce-add into a kv head's, or each into its own."""
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype
