@@ -199,8 +199,8 @@ def train(args, device):
         optimizer.zero_grad(set_to_none=True)
         position += args.global_batch
         # The global loss, and the pairs hidden in the global batch: a ring's ranks share their rows.
-        totals = torch.tensor([0.0, flops.hidden_pairs(batch["cu_seqlens"].tolist(), args.seq_len) / cp], dtype=torch.float64,
-                              device=device)
+        hidden = flops.hidden_pairs(batch["cu_seqlens"].tolist(), args.seq_len) / cp
+        totals = torch.tensor([0.0, hidden], dtype=torch.float64, device=device)
         totals[0] = share.detach()
         dist.all_reduce(totals)
         loss, hidden = totals.tolist()
