@@ -105,15 +105,30 @@ class MergeConfig:
         return f"merge_{self.out_dtype}_{self.part_dtype}_d{self.head_dim}"
 
 
-def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False) -> FwdSm90Config:
+# Key lengths up to which other tiles win (bench/RESULTS.md, "Short forward tiles"): at head
+# dim 128 without causal, persistent 128-key blocks (176-key blocks leave a ragged last block
+# and too few tiles to fill the GPU); at 64 with causal, 128-row tiles in launch order.
+SHORT_KEYS = {(128, False): 4096, (64, True): 1024}
+
+
+def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False,
+                 seqlen_k: Optional[int] = None) -> FwdSm90Config:
     """The configuration `forward` uses for these inputs, chosen from side-by-side runs on H100
-    (bench/RESULTS.md, kernel section): three consumer warpgroups (192-row tiles) at head dim
-    64, persistent when not causal; 128-row tiles at 128, with 176-key blocks when not causal
-    (fewer, longer softmax/rescale steps) and LPT order when causal. With documents
-    (``has_docs``) the same tiles."""
+    and H200 (bench/RESULTS.md, kernel section): three consumer warpgroups (192-row tiles) at
+    head dim 64, persistent when not causal; 128-row tiles at 128, with 176-key blocks when not
+    causal (fewer, longer softmax/rescale steps) and LPT order when causal; up to SHORT_KEYS
+    keys (``seqlen_k``; None: longer), the short tiles above. With documents (``has_docs``) the
+    same tiles, so that one document gives the dense result bit for bit."""
+    short = seqlen_k is not None and seqlen_k <= SHORT_KEYS.get((head_dim, causal), 0)
     if head_dim <= 64:
+        if short:
+            return FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=128,
+                                 tile_n=128, has_docs=has_docs)
         return FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=192,
                              tile_n=128, lpt=causal, persistent=not causal, has_docs=has_docs)
+    if short:
+        return FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=128,
+                             tile_n=128, persistent=True, has_docs=has_docs)
     return FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=128,
                          tile_n=128 if causal else 176, lpt=causal, has_docs=has_docs)
 
@@ -124,14 +139,15 @@ def fwd_variant(dtype: str, head_dim: int, causal: bool, **overrides) -> FwdSm90
 
 
 # The shipped variants (`python -m ringfa4.kernels --dump` compiles each): the forward's
-# defaults, without and with documents; the backward's preprocess, main kernel (every causal /
+# defaults, long and short, without and with documents; the backward's preprocess, main kernel (every causal /
 # deterministic / dK-dV mode, without and with documents) and dQ postprocess (dq fresh or given in the input dtype, or an fp32 dq to add into); and the
 # ring's merge (two ranks sum in the input dtype, more in fp32: ringfa4.ring.attention._sum_dtype).
 _DTYPES = ("bf16", "fp16")
 _HEAD_DIMS = (64, 128)
 VARIANTS = (
-    [fwd_defaults(dt, d, c, docs)
-     for docs in (False, True) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)]
+    [fwd_defaults(dt, d, c, docs, seqlen_k)
+     for docs in (False, True) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)
+     for seqlen_k in ((None, 1) if (d, c) in SHORT_KEYS else (None,))]
     + [BwdPreprocessConfig(dt, d) for dt in _DTYPES for d in _HEAD_DIMS]
     + [DqPostprocessConfig(dt, d, add)
        for d in _HEAD_DIMS
