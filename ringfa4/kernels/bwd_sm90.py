@@ -33,7 +33,11 @@ Deterministic mode orders the dQ reductions: the reduction of KV block j into a 
 on a per-tile counter until the blocks before it in a fixed order have landed (ascending, or
 descending for causal so that no CTA waits for the long-running low blocks). CTAs are launched
 with the KV block as the fastest grid index, in that same order, so a CTA only ever waits on
-CTAs launched before it.
+CTAs launched before it. Non-causal, in that order all N blocks of a head reach its first dQ
+tile together and block n waits n steps before it starts; where the host knows the N CTAs fit
+on the GPU at once (``rotate``), block n instead walks the query blocks from n * M / N on,
+wrapping around, and each tile's order is the order the blocks reach it in: in lockstep no
+CTA waits.
 
 Packed documents (has_docs, one variant for every boundary set): a CTA walks only the query
 tiles its keys' documents reach (from the host, with per query tile the run of K/V blocks that
@@ -92,6 +96,8 @@ class AttentionBackwardSm90:
         self.deterministic = deterministic
         self.dkv_dtype = dkv_dtype
         self.has_docs = has_docs
+        # Rotated walks (see the module docstring) need the plain non-causal reduction order.
+        self.rotates = deterministic and not causal and not has_docs
         self.tile_n = 64 * NUM_MMA_WG
         # Register budget per MMA thread: S^T, dP^T (tile_m / 2 each) + dK, dV (head_dim / 2 each).
         self.tile_m = query_tile(head_dim)
@@ -159,7 +165,7 @@ class AttentionBackwardSm90:
                  mdV: cute.Tensor, mSem: Optional[cute.Tensor],
                  mKeyLo: Optional[cute.Tensor], mKeyHi: Optional[cute.Tensor],
                  mQueryBlocks: Optional[cute.Tensor], mKeyBlocks: Optional[cute.Tensor],
-                 softmax_scale: Float32, head_splits: Int32, stream):
+                 softmax_scale: Float32, head_splits: Int32, rotate: Int32, stream):
         """q, dout (b, sq, h, d); k, v (b, sk, hk, d); lse2, delta (b, h, sq rounded up to
         tile_m) fp32, lse2 in log2 units with +inf on rows that see no key; dq_acc (b, h,
         sq tiles * tile_m * head_dim) fp32 in fragment order (dq_layout.py; added into); dk, dv
@@ -170,7 +176,10 @@ class AttentionBackwardSm90:
         key_blocks (b, query tiles, 2) the first and last KV block visiting each query tile
         (deterministic order), all from the host's visible_blocks. head_splits:
         CTAs per (K/V block, kv head), each taking an equal share of its query heads; more than
-        1 needs Float32 dk/dv: the shares reduce-add into a kv head's, or each into its own."""
+        1 needs Float32 dk/dv: the shares reduce-add into a kv head's, or each into its own.
+        rotate: nonzero for rotated walks (deterministic, not causal, no documents; see the
+        module docstring): the caller's promise that the CTAs of one (kv head, batch) fit on
+        the GPU at once."""
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype
                       or mV.element_type != self.dtype or mdO.element_type != self.dtype):
             raise TypeError("q, k, v, dout must all have the kernel's dtype")
@@ -218,7 +227,7 @@ class AttentionBackwardSm90:
         self.kernel(
             tQ, tK, tV, tdO, tLSE, tDelta, mdQ, tdK, tdV, mSem,
             tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv,
-            Float32(softmax_scale), Float32(softmax_scale * LOG2_E), Int32(head_splits),
+            Float32(softmax_scale), Float32(softmax_scale * LOG2_E), Int32(head_splits), Int32(rotate),
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout, self.sdS_layout,
             self.sdKV_layout, self.mma_sdp, self.mma_dkv, self.mma_dq, Storage,
             mKeyLo, mKeyHi, mQueryBlocks, mKeyBlocks,
@@ -232,7 +241,7 @@ class AttentionBackwardSm90:
                tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
                tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_delta: cute.CopyAtom,
                tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom,
-               softmax_scale: Float32, scale_log2: Float32, head_splits: Int32,
+               softmax_scale: Float32, scale_log2: Float32, head_splits: Int32, rotate: Int32,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sdKV_layout: cute.ComposedLayout,
@@ -288,6 +297,10 @@ class AttentionBackwardSm90:
         # query head is kv_slot * heads.
         heads = tQ.shape[2] // tK.shape[2] // head_splits
         num_steps = steps_per_head * heads
+        rotation = Int32(0)
+        if const_expr(self.rotates):
+            if rotate != 0:
+                rotation = n_block * num_m_blocks // num_n_blocks
         # Each role below builds its own BwdStepScheduler, so the first head's multiply stays in
         # the branch that uses it instead of on every warp's path.
 
@@ -297,17 +310,17 @@ class AttentionBackwardSm90:
                 self._load(tQ, tK, tV, tdO, tLSE, tDelta, sQ, sK, sV, sdO, sLSE, sDelta,
                            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, pipe_q, pipe_do,
                            mbar_kv, n_block, kv_head, batch,
-                           BwdStepScheduler(kv_slot * heads, m_block_min, steps_per_head), num_steps)
+                           BwdStepScheduler(kv_slot * heads, m_block_min, steps_per_head, rotation), num_steps)
             if warp_idx == 1:
-                self._store_dq(mdQ, sdQ, mSem, mKeyBlocks, n_block, num_n_blocks, batch,
-                               BwdStepScheduler(kv_slot * heads, m_block_min, steps_per_head), num_steps)
+                self._store_dq(mdQ, sdQ, mSem, mKeyBlocks, n_block, num_n_blocks, batch, rotate,
+                               BwdStepScheduler(kv_slot * heads, m_block_min, steps_per_head, rotation), num_steps)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             acc_dK, acc_dV = self._mma(
                 sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, pipe_q, pipe_do, mbar_kv, mma_sdp,
                 mma_dkv, mma_dq, tidx - WG_THREADS, softmax_scale, scale_log2,
                 seqlen_q, seqlen_k, n_block, batch, mKeyLo, mKeyHi,
-                BwdStepScheduler(kv_slot * heads, m_block_min, steps_per_head),
+                BwdStepScheduler(kv_slot * heads, m_block_min, steps_per_head, rotation),
                 num_steps)
             # dk/dv hold a head per kv head, whose shares add into it, or one per share (the
             # host sums the shares in a fixed order: deterministic mode).
@@ -382,7 +395,7 @@ class AttentionBackwardSm90:
             state.advance()
 
     @cute.jit
-    def _store_dq(self, mdQ, sdQ, mSem, mKeyBlocks, n_block, num_n_blocks, batch,
+    def _store_dq(self, mdQ, sdQ, mSem, mKeyBlocks, n_block, num_n_blocks, batch, rotate,
                   steps: BwdStepScheduler, num_steps):
         """Lane 0 reduces each warp group's dQ part into its fragment-order block of mdQ
         (bulk copies are tracked per issuing thread, so one lane issues and waits)."""
@@ -410,6 +423,9 @@ class AttentionBackwardSm90:
                     n_visible = cutlass.min(((m_block + 1) * self.tile_m - 1) // self.tile_n + 1,
                                             num_n_blocks)
                     turn = n_visible - 1 - n_block
+                elif rotate != 0:
+                    turn = self._rotated_turn(n_block, m_block, num_n_blocks, steps.steps_per_head,
+                                              steps.rotation)
                 sem_ptr = (mSem[None, head, batch].iterator + m_block)
                 if lane == 0:
                     seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
@@ -431,6 +447,25 @@ class AttentionBackwardSm90:
                 cute.arch.sync_warp()
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def _rotated_turn(self, n_block, m_block, num_n_blocks, num_m_blocks, rotation):
+        """This K/V block's place among the N blocks that reduce into dQ tile m_block, when block
+        n's walk starts at query block n * M // N (``rotation``): the order in which they reach
+        the tile, the earlier start first on a tie."""
+        n, m = num_n_blocks, num_m_blocks
+        step = m_block - rotation  # the step at which this block reaches the tile
+        if step < 0:
+            step = step + m
+        # Blocks whose walk starts in (m_block - step, m_block], cyclically, reach it sooner;
+        # ceil((x + 1) N / M) walks start at query blocks <= x.
+        lo = m_block - step
+        sooner = ((m_block + 1) * n + m - 1) // m
+        if lo >= 0:
+            sooner = sooner - ((lo + 1) * n + m - 1) // m
+        else:
+            sooner = sooner + n - ((lo + m + 1) * n + m - 1) // m
+        return sooner + n_block - (rotation * n + m - 1) // m
 
     @cute.jit
     def _mma(self, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ,

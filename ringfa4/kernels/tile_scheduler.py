@@ -6,7 +6,7 @@ heads are taken in groups whose K and V fit in L2 together, and within a group t
 run last-first: the longest causal tiles start first and the short ones fill the tail.
 
 The backward's CTA owns one KV block and walks (query head of its kv head's group, query block)
-pairs, query blocks fastest.
+pairs, query blocks fastest; a rotated walk starts each head at a query block of its own.
 """
 from dataclasses import dataclass
 
@@ -50,17 +50,21 @@ class FwdTileScheduler:
 
 @dataclass(frozen=True)
 class BwdStepScheduler:
-    """Steps of a backward CTA: step i is query block m_block_min + i % steps_per_head of query
-    head first_head + i // steps_per_head (the query heads sharing the CTA's kv head). Frozen:
-    the DSL then reads it inside run-time loops instead of carrying it as loop state."""
+    """Steps of a backward CTA: step i is query head first_head + i // steps_per_head (the query
+    heads sharing the CTA's kv head) and, of that head's run of query blocks from m_block_min,
+    the (rotation + i) % steps_per_head-th. Frozen: the DSL then reads it inside run-time loops
+    instead of carrying it as loop state."""
 
     first_head: Int32
     m_block_min: Int32
     steps_per_head: Int32
+    rotation: Int32
 
     @cute.jit
     def coords(self, step):
         """(head, m_block) of step ``step``."""
         g = step // self.steps_per_head
-        m_block = self.m_block_min + step - g * self.steps_per_head
-        return self.first_head + g, m_block
+        i = step - g * self.steps_per_head + self.rotation
+        if i >= self.steps_per_head:
+            i = i - self.steps_per_head
+        return self.first_head + g, self.m_block_min + i

@@ -143,10 +143,18 @@ def test_rows_with_no_visible_key_contribute_zero():
     _assert_close("dv", dv, g64[2], glow[2])
 
 
-@pytest.mark.parametrize("causal,hk", [(True, 4), (False, 2)])
-def test_deterministic_mode_is_bit_identical_run_to_run(causal, hk):
-    b, s, h, d = 2, 1536, 4, 128
-    q, k, v, dout = _inputs(b, s, s, h, hk, d, torch.bfloat16, seed=11)
+@pytest.mark.parametrize("causal,sq,sk,hk,d,rotated", [
+    (True, 1536, 1536, 4, 128, False),
+    (False, 1536, 1536, 2, 128, True),  # 12 K/V blocks walk 24 query tiles from staggered starts
+    (False, 1536, 1536, 4, 64, True),   # as many K/V blocks as query tiles
+    (False, 300, 2000, 2, 128, True),   # more K/V blocks than query tiles: walks share starts
+    (False, 200, 9000, 2, 128, False),  # 71 K/V blocks, more than half an H100's or H200's SMs
+])
+def test_deterministic_mode_is_bit_identical_run_to_run(causal, sq, sk, hk, d, rotated):
+    b, h = 2, 4
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert cute_backend.interface.rotates(sk, causal, True, False, sms) == rotated
+    q, k, v, dout = _inputs(b, sq, sk, h, hk, d, torch.bfloat16, seed=11)
     out, lse, g64, glow = _references(q, k, v, dout, causal, d ** -0.5)
     first = cute_backend.backward(dout, q, k, v, out, lse, causal, d ** -0.5, deterministic=True)
     second = cute_backend.backward(dout, q, k, v, out, lse, causal, d ** -0.5, deterministic=True)

@@ -73,7 +73,8 @@ def _bwd_args(cfg: BwdSm90Config):
         blocks = (cute.runtime.make_fake_tensor(Int32, (b, n, 2), stride=(cute.sym_int64(), 2, 1),
                                                 assumed_align=4) for n in (n_n, n_m))
         docs = (*(_fake(Int32, (b, sq), assumed_align=4) for _ in range(2)), *blocks)
-    return kernel, (q, k, v, do, lse2, delta, dq_acc, dk, dv, sem, *docs, Float32(1.0), Int32(1), _stream())
+    return kernel, (q, k, v, do, lse2, delta, dq_acc, dk, dv, sem, *docs, Float32(1.0), Int32(1), Int32(0),
+                    _stream())
 
 
 def _preprocess_args(cfg: BwdPreprocessConfig):
