@@ -37,7 +37,7 @@ CTAs launched before it. Non-causal, in that order all N blocks of a head reach 
 tile together and block n waits n steps before it starts; where the host knows the N CTAs fit
 on the GPU at once (``rotate``), block n instead walks the query blocks from n * M / N on,
 wrapping around, and each tile's order is the order the blocks reach it in: in lockstep no
-CTA waits.
+CTA waits. With documents, rows that are one document walk rotated (the same bits as without).
 
 Packed documents (has_docs, one variant for every boundary set): a CTA walks only the query
 tiles its keys' documents reach (from the host, with per query tile the run of K/V blocks that
@@ -96,8 +96,8 @@ class AttentionBackwardSm90:
         self.deterministic = deterministic
         self.dkv_dtype = dkv_dtype
         self.has_docs = has_docs
-        # Rotated walks (see the module docstring) need the plain non-causal reduction order.
-        self.rotates = deterministic and not causal and not has_docs
+        # Rotated walks (see the module docstring) replace the non-causal reduction order.
+        self.rotates = deterministic and not causal
         self.tile_n = 64 * NUM_MMA_WG
         # Register budget per MMA thread: S^T, dP^T (tile_m / 2 each) + dK, dV (head_dim / 2 each).
         self.tile_m = query_tile(head_dim)
@@ -177,9 +177,8 @@ class AttentionBackwardSm90:
         (deterministic order), all from the host's visible_blocks. head_splits:
         CTAs per (K/V block, kv head), each taking an equal share of its query heads; more than
         1 needs Float32 dk/dv: the shares reduce-add into a kv head's, or each into its own.
-        rotate: nonzero for rotated walks (deterministic, not causal, no documents; see the
-        module docstring): the caller's promise that the CTAs of one (kv head, batch) fit on
-        the GPU at once."""
+        rotate: nonzero for rotated walks (deterministic, not causal; see the module docstring):
+        the caller's promise that the CTAs of one (kv head, batch) fit on the GPU at once."""
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype
                       or mV.element_type != self.dtype or mdO.element_type != self.dtype):
             raise TypeError("q, k, v, dout must all have the kernel's dtype")
@@ -297,9 +296,18 @@ class AttentionBackwardSm90:
         # query head is kv_slot * heads.
         heads = tQ.shape[2] // tK.shape[2] // head_splits
         num_steps = steps_per_head * heads
+        rotated = Int32(0)
         rotation = Int32(0)
         if const_expr(self.rotates):
-            if rotate != 0:
+            rotated = rotate
+            if const_expr(self.has_docs):
+                # Only a row that is one document (its first and last queries see every key)
+                # walks rotated, exactly as without documents, so that it gives the same bits.
+                last = seqlen_q - 1
+                if ((mKeyLo[batch, 0] != 0) | (mKeyLo[batch, last] != 0) | (mKeyHi[batch, 0] != seqlen_k)
+                        | (mKeyHi[batch, last] != seqlen_k)):
+                    rotated = Int32(0)
+            if rotated != 0:
                 rotation = n_block * num_m_blocks // num_n_blocks
         # Each role below builds its own BwdStepScheduler, so the first head's multiply stays in
         # the branch that uses it instead of on every warp's path.
@@ -312,7 +320,7 @@ class AttentionBackwardSm90:
                            mbar_kv, n_block, kv_head, batch,
                            BwdStepScheduler(kv_slot * heads, m_block_min, steps_per_head, rotation), num_steps)
             if warp_idx == 1:
-                self._store_dq(mdQ, sdQ, mSem, mKeyBlocks, n_block, num_n_blocks, batch, rotate,
+                self._store_dq(mdQ, sdQ, mSem, mKeyBlocks, n_block, num_n_blocks, batch, rotated,
                                BwdStepScheduler(kv_slot * heads, m_block_min, steps_per_head, rotation), num_steps)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
@@ -395,7 +403,7 @@ class AttentionBackwardSm90:
             state.advance()
 
     @cute.jit
-    def _store_dq(self, mdQ, sdQ, mSem, mKeyBlocks, n_block, num_n_blocks, batch, rotate,
+    def _store_dq(self, mdQ, sdQ, mSem, mKeyBlocks, n_block, num_n_blocks, batch, rotated,
                   steps: BwdStepScheduler, num_steps):
         """Lane 0 reduces each warp group's dQ part into its fragment-order block of mdQ
         (bulk copies are tracked per issuing thread, so one lane issues and waits)."""
@@ -423,9 +431,10 @@ class AttentionBackwardSm90:
                     n_visible = cutlass.min(((m_block + 1) * self.tile_m - 1) // self.tile_n + 1,
                                             num_n_blocks)
                     turn = n_visible - 1 - n_block
-                elif rotate != 0:
-                    turn = self._rotated_turn(n_block, m_block, num_n_blocks, steps.steps_per_head,
-                                              steps.rotation)
+                if const_expr(self.rotates):
+                    if rotated != 0:
+                        turn = self._rotated_turn(n_block, m_block, num_n_blocks,
+                                                  steps.steps_per_head, steps.rotation)
                 sem_ptr = (mSem[None, head, batch].iterator + m_block)
                 if lane == 0:
                     seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")

@@ -182,12 +182,12 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
     return splits
 
 
-def rotates(seqlen_k, causal, deterministic, has_docs, sms):
-    """Whether the deterministic backward walks rotated (ringfa4.kernels.bwd_sm90): its CTAs then
-    wait on CTAs of their (kv head, batch) launched after them, so the host promises they fit
-    on the GPU at once, with half of it left to whatever else runs beside the kernel (the
+def rotates(seqlen_k, causal, deterministic, sms):
+    """Whether the deterministic backward may walk rotated (ringfa4.kernels.bwd_sm90): its CTAs
+    then wait on CTAs of their (kv head, batch) launched after them, so the host promises they
+    fit on the GPU at once, with half of it left to whatever else runs beside the kernel (the
     ring's NCCL kernels, say)."""
-    return deterministic and not causal and not has_docs and -(-seqlen_k // key_tile()) <= sms // 2
+    return deterministic and not causal and -(-seqlen_k // key_tile()) <= sms // 2
 
 
 def _added(given, fresh):
@@ -238,7 +238,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     docs = (None,) * 4 if doc_ids is None else visible_blocks(doc_ids, causal, d)
     compiled(config)(q.detach(), k.detach(), v.detach(), dout, rows.lse2, rows.delta, rows.dq_acc,
                      dk_out, dv_out, sem, *docs, scale, splits,
-                     int(rotates(sk, causal, deterministic, doc_ids is not None, _sms(q))))
+                     int(rotates(sk, causal, deterministic, _sms(q))))
 
     if rows is not dq:  # dq <- (or +=) the accumulator; a dq it cannot address gets a fresh one added
         add = dq is not None and tma_compatible(dq)
