@@ -26,6 +26,8 @@ Kernel time = FLOPs (ringfa4.flops) / TFLOP/s of the backend at the step's own l
 query tile forward, queries per key tile backward; log-interpolated, clamped); link time = latency +
 bytes / bandwidth.
 
+Per-step overhead: eager, or (--graphed) with each rank's ring call captured whole in a CUDA graph,
+which issues no step from the host.
 Measured numbers come from the calibration files shipped in ringfa4/data (one per GPU, format
 CALIBRATION_FORMAT; --calibration names another), and every printed number says which file or which
 assumption it comes from. ``--refit`` writes such a file from explicit bench JSON files.
@@ -171,6 +173,16 @@ def _overhead(cal, backend):
                 step_host_ms=step.get("host_ms", 0.0), overhead_source=f"{step['source']} [{cal['_file']}]")
 
 
+def _graph_overhead(cal, backend):
+    """Topology fields of the per-step overhead with the ring captured whole in a CUDA graph
+    (measured for ``backend`` in ``cal``), or None: the graph issues no step from the host."""
+    step = cal.get("step_overhead_graph", {}).get(backend)
+    if step is None:
+        return None
+    return dict(step_overhead_ms=(step["ms"], step["ms"]), kernel_scale=(1.0, 1.0), step_host_ms=0.0,
+                overhead_source=f"{step['source']} [{cal['_file']}]")
+
+
 def _assumed(own, measured):
     """A GPU's own overhead, else the measured one's (without its run-specific kernel slope)."""
     if own is not None:
@@ -182,9 +194,11 @@ def _assumed(own, measured):
                 f"{measured['overhead_source']}")
 
 
-def presets(backend="fa4", calibrations=None):
+def presets(backend="fa4", calibrations=None, graphed=False):
     """The modelled topologies, from the calibration files (``calibrations``: {gpu: dict}, default
-    the shipped ones) and the labelled assumptions."""
+    the shipped ones) and the labelled assumptions. ``graphed``: each rank's ring call captured
+    whole in a CUDA graph and replayed (torch.cuda.make_graphed_callables; README), with its own
+    measured per-step overhead."""
     cals = calibrations or {g: load_calibration(calibration_path(g)) for g in CALIBRATED_GPUS}
     ib = Link("InfiniBand 400 Gb/s", IB_400G["gbps"], IB_400G["latency_ms"], "assumed: 90% of 50 GB/s per NIC")
     h200, nv4 = _gpu_and_link(cals["H200"], backend)
@@ -195,9 +209,13 @@ def presets(backend="fa4", calibrations=None):
                f"[{cals['H200']['_file']}], of 900 GB/s")
     gb200 = Gpu("GB200", 8000.0, {k: tuple((s, t * BLACKWELL_OVER_HOPPER) for s, t in v) for k, v in h200.tflops.items()},
                 f"assumed: the H200 curves x {BLACKWELL_OVER_HOPPER} ({h200.source})")
-    measured = _overhead(cals["H200"], backend)
+    overhead = _graph_overhead if graphed else _overhead
+    measured = overhead(cals["H200"], backend)
+    if graphed and measured is None:
+        raise ValueError(f"{cals['H200']['_file']} has no per-step overhead of a CUDA-graphed ring for backend "
+                         f"{backend!r} (bench/ring.py --overhead rows, then --refit)")
     on_h200 = _assumed(measured, None)
-    on_h100 = _assumed(_overhead(cals["H100"], backend), measured)
+    on_h100 = _assumed(overhead(cals["H100"], backend), measured)
     checks = tuple(dict(r, _file=cals["H200"]["_file"]) for r in cals["H200"].get("checks", ())
                    if r.get("backend") == backend)
     a2a = _all_to_all(cals["H200"])
@@ -417,9 +435,10 @@ def predict_split(topo, shape, head_world, ring_world, links=True):
     return Split(head_world, ring_world, seq, ring, local, a2a_ms, single_ms(topo, full))
 
 
-def splits(topo, shape, world, max_head_group):
-    """Every U x R = world whose head group fits the heads and the NVLink domain."""
-    largest = min(max_head_group, max(topo.domain, 1))
+def splits(topo, shape, world, max_head_group=None):
+    """Every U x R = world whose head group fits the heads and the NVLink domain (and, given,
+    ``max_head_group``)."""
+    largest = min(max_head_group or topo.domain, max(topo.domain, 1))
     return [predict_split(topo, shape, u, world // u) for u in range(1, largest + 1)
             if world % u == 0 and heads.splits(shape.heads, shape.kv_heads, u)]
 
@@ -521,7 +540,8 @@ def _theil_sen(points):
 def refit(base, paths):
     """``base`` (a calibration dict) with what the bench rows of ``paths`` measure on its GPU put in:
     kernel curves (bench/kernels.py rows), the NVLink fit (bench/ring.py forward KV transfers), the
-    per-step overhead (bench/ring.py timelines against this model) and the rows to check against
+    per-step overhead (bench/ring.py timelines against this model; bench/simulate.py --overhead;
+    bench/ring.py --overhead for a ring captured in a CUDA graph) and the rows to check against
     (bench/ring.py efficiency rows, bench/simulate.py efficiency rows)."""
     rows = [r for r in _rows(paths) if base["gpu"] in str(r.get("device", ""))]
     cal = json.loads(json.dumps({k: v for k, v in base.items() if k != "_file"}))
@@ -570,6 +590,17 @@ def refit(base, paths):
                     f"bench/simulate.py --overhead: one rank's ring call minus its steps' kernels timed alone, "
                     f"per step, and the host's time to issue a step ({host_us:.0f} us, a floor under every step), "
                     f"medians over local lengths {locals_} at W={measured[0]['world']}"))
+    for backend in ("fa4", "cute"):
+        graphed = [r for r in rows if r.get("kind") == "overhead_nccl" and _backend_name(r["backend"]) == backend
+                   and r.get("graph_overhead_us_per_step") is not None]
+        if graphed:
+            us = sorted(r["graph_overhead_us_per_step"] for r in graphed)
+            locals_ = ", ".join(str(r["local"]) for r in graphed)
+            cal.setdefault("step_overhead_graph", {})[backend] = dict(
+                ms=max(0.0, statistics.median(us)) / 1e3, source=(
+                    f"bench/ring.py --overhead: the ring call, NCCL included, captured in one CUDA graph and "
+                    f"replayed, minus its kernels timed alone, per step; median over local lengths {locals_} at "
+                    f"W={graphed[0]['world']} (readings {us[0]:.0f} to {us[-1]:.0f} us)"))
     checks = [_check_row(r) for r in rows if r.get("efficiency") and ("ringfa4_ms" in r or r.get("kind") == "efficiency")]
     if checks:
         kept = [c for c in cal.get("checks", []) if c not in checks]
@@ -690,7 +721,12 @@ def _parser():
     p.add_argument("--dtype", default="bf16", help=f"one of {sorted(DTYPE_BYTES)}")
     p.add_argument("--backend", default="fa4", choices=("fa4", "cute"), help="whose kernel TFLOP/s and step overhead")
     p.add_argument("--worlds", default=",".join(map(str, WORLDS)))
-    p.add_argument("--max-head-group", type=int, default=8, help="largest head group U modelled")
+    p.add_argument("--max-head-group", type=int, default=None,
+                   help="largest head group U modelled (default: the topology's NVLink domain)")
+    p.add_argument("--graphed", action="store_true",
+                   help="each rank's ring call captured whole in a CUDA graph and replayed "
+                        "(torch.cuda.make_graphed_callables around ring_attention; README): its measured "
+                        "per-step overhead instead of the eager one")
     p.add_argument("--calibration", action="append", default=[], metavar="FILE",
                    help="a calibration file to use instead of the shipped one of its GPU (repeatable)")
     p.add_argument("--tflops-scale", type=float, default=None, help="multiply the kernel curves (e.g. for other GPUs)")
@@ -708,7 +744,7 @@ def _check_args(p, args):
     if args.dtype not in DTYPE_BYTES:
         p.error(f"--dtype must be one of {sorted(DTYPE_BYTES)}, got {args.dtype!r}")
     for name in ("heads", "kv_heads", "head_dim", "seq", "max_head_group"):
-        if getattr(args, name) <= 0:
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.heads % args.kv_heads:
         p.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
@@ -733,7 +769,10 @@ def main(argv=None):
     if args.documents:
         print("\n".join(balance.report(totals=(args.seq, 4 * args.seq))))
         return
-    topos = presets(args.backend, cals)
+    try:
+        topos = presets(args.backend, cals, args.graphed)
+    except ValueError as e:
+        p.error(str(e))
     chosen = sorted(topos) if args.preset == "all" else [args.preset]
     if any(n not in topos for n in chosen):
         p.error(f"--preset must be one of {sorted(topos)} or 'all', got {args.preset!r}")

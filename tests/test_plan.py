@@ -198,6 +198,32 @@ def test_splits_are_those_whose_head_group_divides_the_heads_and_fits_the_domain
     assert [s.head_world for s in plan.splits(plan.presets()["ib-400g"], _shape(), 8, 8)] == [1]
 
 
+def test_head_groups_span_the_nvlink_domain_unless_capped():
+    topo = plan.presets()["gb200-nvl72"]
+    assert [s.head_world for s in plan.splits(topo, _shape(heads=32, kv_heads=8), 64)] == [1, 2, 4, 8, 16, 32]
+    assert [s.head_world for s in plan.splits(plan.presets()["h100-node"], _shape(), 64)] == [1, 2, 4, 8]
+
+
+def test_refit_takes_the_graphed_rings_overhead_and_the_graphed_model_issues_no_step_from_the_host(tmp_path):
+    rows = [dict(device="NVIDIA H200", kind="overhead_nccl", backend="cute", world=2, local=local,
+                 eager_overhead_us_per_step=300.0, graph_overhead_us_per_step=us)
+            for local, us in ((512, -10.0), (1024, 20.0), (2048, 40.0))]
+    (tmp_path / "ring_overhead.json").write_text(json.dumps(rows))
+    base = _base()
+    cal = plan.refit(base, [tmp_path / "ring_overhead.json"])
+    assert cal["step_overhead_graph"]["cute"]["ms"] == pytest.approx(0.02)
+    assert "CUDA graph" in cal["step_overhead_graph"]["cute"]["source"] and "-10 to 40 us" in \
+        cal["step_overhead_graph"]["cute"]["source"]
+    assert cal["step_overhead"] == base["step_overhead"]  # the eager fits stay
+    cals = {"H200": dict(cal, _file="cal.json"), "H100": base | {"gpu": "H100"}}
+    graphed = plan.presets("cute", cals, graphed=True)
+    assert graphed["h200-x2"].step_overhead_ms == pytest.approx((0.02, 0.02))
+    assert graphed["h200-x2"].step_host_ms == 0.0
+    assert "assumed as on H200" in graphed["gb200-nvl72"].overhead_source
+    with pytest.raises(ValueError, match="no per-step overhead of a CUDA-graphed ring for backend 'fa4'"):
+        plan.presets("fa4", cals, graphed=True)
+
+
 def test_w72_models_the_nearest_length_that_splits_instead_of_refusing(capsys):
     plan.main(["--preset", "gb200-nvl72", "--seq", str(1 << 17), "--worlds", "72"])
     out = capsys.readouterr().out
