@@ -190,22 +190,27 @@ def test_two_gpu_deterministic_ring_gives_bit_identical_gradients(world, causal,
     assert not failures, f"{path} causal={causal}: " + "; ".join(failures)
 
 
+@pytest.mark.parametrize("split", ["1x2", "2x1"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_two_gpu_ring_captured_in_a_cuda_graph_matches_eager(world, causal):
-    """The whole ring, kernels and NCCL sends/receives forward and backward, captured by PyTorch's
+def test_two_gpu_ring_captured_in_a_cuda_graph_matches_eager(world, causal, split):
+    """The whole call, kernels and NCCL traffic forward and backward, captured by PyTorch's
     make_graphed_callables (what removes the host's time per step) and replayed on fresh inputs,
-    gives the eager ring's out and gradients bit for bit (deterministic kernels on both sides)."""
+    gives the eager call's out and gradients bit for bit (deterministic kernels on both sides):
+    (U, R) = (1, 2), the ring's sends and receives; (2, 1), the head group's all-to-alls."""
     b, seq, h, hk, d = SHAPES[1]
     gen = torch.Generator(device="cuda").manual_seed(_shared_seed())
+    alone = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    groups = (dict(group=dist.group.WORLD, head_group=None) if split == "1x2"
+              else dict(group=alone[dist.get_rank()], head_group=dist.group.WORLD))
 
     def draw():
-        return [ringfa4.shard(torch.randn(b, seq, n, d, device="cuda", generator=gen).to(torch.bfloat16))
+        return [ringfa4.shard(torch.randn(b, seq, n, d, device="cuda", generator=gen).to(torch.bfloat16), **groups)
                 for n in (h, hk, hk, h)]
 
     _skip_unless("cute", *draw()[:3], causal)
 
     def ring(q, k, v):
-        return ringfa4.ring_attention(q, k, v, causal=causal, backend="cute", deterministic=True)
+        return ringfa4.ring_attention(q, k, v, causal=causal, backend="cute", deterministic=True, **groups)
 
     graphed = torch.cuda.make_graphed_callables(ring, tuple(t.requires_grad_() for t in draw()[:3]))
     failures = []
@@ -219,4 +224,4 @@ def test_two_gpu_ring_captured_in_a_cuda_graph_matches_eager(world, causal):
         failures += [f"{name} differs from eager" for name, a, e in zip(("out", "dq", "dk", "dv"), *results)
                      if not torch.equal(a, e)]
     failures = _agree(failures)
-    assert not failures, f"causal={causal}: " + "; ".join(failures)
+    assert not failures, f"{split} causal={causal}: " + "; ".join(failures)
