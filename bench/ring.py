@@ -21,9 +21,10 @@ ringfa4.ring.timeline: per-step compute, merge and transfer times from CUDA even
 timing, every split's output is compared with the single-GPU one, so nothing wrong is timed.
 --overhead LOCALS measures instead what a step of the plain causal ring (first backend, first
 heads pair) costs beyond its kernels at short local lengths: per step, (call - the rank's kernels
-timed alone back to back, bench/simulate.py's _kernels_ms) / (2 W), eager and with the whole
-fwd+bwd call, NCCL sends and receives included, captured in one CUDA graph and replayed; the
-worst rank's. Rows: ring_overhead.json.
+timed alone, bench/simulate.py's _kernels_ms) / (2 W), eager (against the kernels called back to
+back) and with the whole fwd+bwd call, NCCL sends and receives included, captured in one CUDA
+graph and replayed (against the kernels replayed from graphs); the worst rank's. Rows:
+ring_overhead.json.
 Rows go to ring.json in a temporary directory, --out-dir DIR, or with --record
 bench/results/ring.json (bench/measure.py); a markdown table is printed last. `python -m
 ringfa4.plan --refit` takes these rows to check its predictions against (U x R rows included).
@@ -136,19 +137,25 @@ def overhead_rows(args, timer, device, dtype, meta, rows):
         leaves = [ringfa4.shard(t).detach().requires_grad_() for t in (q, k, v)]
         ring = fwd_bwd(functools.partial(ringfa4.ring_attention, causal=True, backend=name), leaves, ringfa4.shard(dout))
         mine = simulate._rank(backends.get(name), seq, h, hk, d, True, dtype, device, 1, world, rank)
-        kernels = [None] * world
+        kernels, gpu_kernels = [None] * world, [None] * world
         dist.all_gather_object(kernels, simulate._kernels_ms(mine, alone))
+        dist.all_gather_object(gpu_kernels, simulate._kernels_ms(mine, alone, graphs=True) if device.type == "cuda"
+                               else None)
         eager = timer(ring)[0]
         replay, error = measure.graphed(ring) if device.type == "cuda" else (None, "CPU: no CUDA graph")
         errors = [None] * world
         dist.all_gather_object(errors, error)
         error = next((e for e in errors if e), None)
         graph = timer(replay)[0] if error is None else None
-        per_step = lambda ms: None if ms is None else max(ms - k for k in kernels) / (2 * world) * 1e3  # noqa: E731
+        # Eager against the kernels called eagerly (the planner adds the host's floor apart), the
+        # graph against the kernels replayed from graphs: each beyond the same kind of kernel time.
+        def per_step(ms, alone):
+            return None if ms is None or None in alone else max(ms - k for k in alone) / (2 * world) * 1e3
         rows.add(dict(meta, kind="overhead_nccl", backend=name, world=world, local=local, heads=h, kv_heads=hk,
                       head_dim=d, causal=True, dtype=str(dtype).split(".")[-1], kernels_ms_by_rank=kernels,
-                      eager_ms=eager, graph_ms=graph, graph_error=error,
-                      eager_overhead_us_per_step=per_step(eager), graph_overhead_us_per_step=per_step(graph)))
+                      graphed_kernels_ms_by_rank=gpu_kernels, eager_ms=eager, graph_ms=graph, graph_error=error,
+                      eager_overhead_us_per_step=per_step(eager, kernels),
+                      graph_overhead_us_per_step=per_step(graph, gpu_kernels)))
         del leaves, ring, mine
 
 
@@ -285,12 +292,14 @@ def _mean_ms(spans, key):
 
 
 def overhead_table(rows):
-    lines = ["| local | kernels ms (worst rank) | eager ms | graph ms | eager us/step beyond kernels | graph us/step |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| local | kernels ms, called / replayed (worst rank) | eager ms | graph ms | eager us/step beyond kernels "
+             "| graph us/step |", "|---|---|---|---|---|---|"]
     for r in rows:
         g = "n/a" if r["graph_ms"] is None else f"{r['graph_ms']:.3f}"
         gs = r["graph_error"] if r["graph_ms"] is None else f"{r['graph_overhead_us_per_step']:.1f}"
-        lines.append(f"| {r['local']} | {max(r['kernels_ms_by_rank']):.3f} | {r['eager_ms']:.3f} | {g} "
+        replayed = r["graphed_kernels_ms_by_rank"]
+        kg = "n/a" if None in replayed else f"{max(replayed):.3f}"
+        lines.append(f"| {r['local']} | {max(r['kernels_ms_by_rank']):.3f} / {kg} | {r['eager_ms']:.3f} | {g} "
                      f"| {r['eager_overhead_us_per_step']:.1f} | {gs} |")
     return "\n".join(lines)
 

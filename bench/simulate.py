@@ -16,9 +16,10 @@ kernels' TFLOP/s is flat past 32k tokens, bench/results/kernels.json). The all-t
 group is a device copy here, not an NVLink transfer: the planner adds link times.
 
 Overhead rows (--overhead): a ring of --overhead-world ranks at short local lengths; per step,
-(rank call - sum of its kernels alone) / (2 W), the kernels timed back to back on the step's own
-shapes; eager, and with the rank's whole call captured in a CUDA graph and replayed (no host work
-per step: what is left is the GPU's own cost of the step's extra passes and launches); and the
+(rank call - sum of its kernels alone) / (2 W), the kernels timed on the step's own shapes; eager
+(the kernels called back to back), and with the rank's whole call captured in a CUDA graph and
+replayed (the kernels replayed from graphs too; no host work per step: what is left is the GPU's
+own cost of the step's extra passes and launches); and the
 host's own time per step (the call until Python returns): where it exceeds the kernels' time the
 ring is launch-bound, which a graph removes and nothing on the device can.
 """
@@ -148,8 +149,11 @@ def efficiency_rows(args, module, device, dtype, rows):
                               single_ms=t1, single_measured_at=base, efficiency=t1 / world / t_rank))
 
 
-def _kernels_ms(rank, timer):
-    """Sum over the rank's forward and backward steps of each step's kernel timed alone."""
+def _kernels_ms(rank, timer, graphs=False):
+    """Sum over the rank's forward and backward steps of each step's kernel timed alone: called
+    back to back, or (``graphs``, CUDA) replayed from CUDA graphs of GRAPH_CALLS calls each, the
+    GPU's time alone, as a graphed ring call spends it (eager calls of short kernels are
+    host-bound)."""
     module, q, (k, v), dout = rank.backend, rank.q, rank.blocks[rank.rank], rank.dout
     out, lse = module.forward(q, k, v, rank.causal, rank.scale)
     state = module.query_state(dout, q, out, lse, rank.scale,
@@ -170,8 +174,23 @@ def _kernels_ms(rank, timer):
         def bwd():
             module.backward(dout[:, rows], q[:, rows], k[:, kv], v[:, kv], out[:, rows], lse[:, :, rows], causal,
                             rank.scale, dq=state.rows(rows))
-        total += count * sum(timer(fwd, bwd))
+        fns = (fwd, bwd) if not graphs else tuple(_graph_of_calls(fn) for fn in (fwd, bwd))
+        total += count * sum(timer(*fns)) / (GRAPH_CALLS if graphs else 1)
     return total
+
+
+GRAPH_CALLS = 10  # calls per graph: the replay's own launch is spread over them
+
+
+def _graph_of_calls(fn):
+    """The replay of a CUDA graph of GRAPH_CALLS calls of ``fn``."""
+    def calls():
+        for _ in range(GRAPH_CALLS):
+            fn()
+    replay, error = measure.graphed(calls)
+    if error is not None:
+        raise RuntimeError(f"cannot capture a step's kernel: {error}")
+    return replay
 
 
 def _host_ms(rank, device, calls=5):
@@ -199,11 +218,16 @@ def overhead_rows(args, module, device, dtype, rows):
         host = _host_ms(rank, device)
         replay, error = measure.graphed(rank) if device.type == "cuda" else (None, "CPU: no CUDA graph")
         graphed = timer(replay)[0] if replay else None
-        per_step = lambda ms: None if ms is None else (ms - kernels) / (2 * world) * 1e3  # noqa: E731
+        gpu_kernels = _kernels_ms(rank, timer, graphs=True) if replay else None
+
+        # Eager against the kernels called eagerly, the graph against the kernels replayed.
+        def per_step(ms, alone):
+            return None if ms is None else (ms - alone) / (2 * world) * 1e3
         rows.add(dict(measure.metadata(device, args.commit), kind="overhead", backend=module.__name__, world=world,
                       local=local, heads=h, kv_heads=hk, head_dim=d, causal=args.causal, kernels_ms=kernels,
-                      eager_ms=eager, graph_ms=graphed, graph_error=error, host_us_per_step=host / (2 * world) * 1e3,
-                      eager_overhead_us_per_step=per_step(eager), graph_overhead_us_per_step=per_step(graphed)))
+                      graphed_kernels_ms=gpu_kernels, eager_ms=eager, graph_ms=graphed, graph_error=error,
+                      host_us_per_step=host / (2 * world) * 1e3, eager_overhead_us_per_step=per_step(eager, kernels),
+                      graph_overhead_us_per_step=per_step(graphed, gpu_kernels)))
 
 
 def main():
