@@ -27,13 +27,15 @@ def splits(heads, kv_heads, head_world):
 
 
 def check_split(heads, kv_heads, head_world):
-    """Raise ValueError unless ``head_world`` ranks can split these heads (see the module docstring)."""
+    """Raise ValueError unless ``head_world`` ranks can split these heads (``splits``), naming the
+    condition that fails."""
+    if splits(heads, kv_heads, head_world):
+        return
     if heads % head_world:
         raise ValueError(f"q heads ({heads}) must be a multiple of the head_group size ({head_world})")
-    if kv_heads % head_world and head_world % kv_heads:
-        raise ValueError(f"k/v heads ({kv_heads}) and the head_group size ({head_world}) must divide one "
-                         f"another: the kv heads are split over the group, or each replicated to "
-                         f"head_group size / kv heads members")
+    raise ValueError(f"k/v heads ({kv_heads}) and the head_group size ({head_world}) must divide one "
+                     f"another: the kv heads are split over the group, or each replicated to "
+                     f"head_group size / kv heads members")
 
 
 def replicas(kv_heads, head_world):
