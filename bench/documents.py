@@ -18,10 +18,11 @@ cuDNN/SDPA column: SDPA takes documents only as a dense mask, which is not the s
 
 Ring rows: every rank of a W-rank ring simulated on this GPU (ringfa4.ring.simulate.SimulatedRing:
 the real ring_forward / ring_backward, transfers as device copies), fwd+bwd, for the dense causal
-ring (zigzag) and for the documents in zigzag and document_zigzag; the ring's time is its slowest
+ring (zigzag) and for the documents in zigzag and the document layouts; the ring's time is its slowest
 rank's. TFLOP/s per GPU = visible-pair FLOPs / W / slowest rank time; ratio = that / the dense
 ring's (target >= 0.85), peak memory of the slowest rank's call against the dense one's, and the
-steps the documents skipped (ringfa4.ring.documents.counting).
+steps the documents skipped and the transfers a ring stopped early did not make
+(ringfa4.ring.documents.counting).
 """
 import inspect
 import os
@@ -134,7 +135,7 @@ def rank_call(backend, full, rank, world, layout, row, device):
     scale = q.shape[-1] ** -0.5
 
     def call():
-        ring = SimulatedRing(rank, world, blocks, device)
+        ring = SimulatedRing(rank, world, blocks, device, steps=None if docs is None else docs.steps(True))
         out, lse, kv_last = ring_forward(backend, q_local, *blocks[rank], True, scale, ring, layout, docs)
         ring_backward(backend, dout_local, q_local, *blocks[rank], out, lse, kv_last, True, scale, ring.turned(),
                       layout, False, docs)
@@ -146,8 +147,8 @@ def _name(backend):
 
 
 def _part(x, rank, world, layout, row):
-    if layout == documents.DOCUMENT_ZIGZAG:
-        return documents.part(x, [row], rank, world)
+    if layout in documents.LAYOUTS:
+        return documents.part(x, [row], rank, world, layout)
     return ring_layout.part(x, rank, world, layout)
 
 
@@ -158,19 +159,20 @@ def ring_rows(args, device, dtype, rows):
     for world in map(int, args.worlds.split(",")):
         dense_mem = dense_tflops = None
         cases = [("dense", "zigzag", None)] + [(mix, layout, balance.document_mix(seq, args.seed, n))
-                                               for mix, n in MIXES.items() for layout in ("zigzag", "document_zigzag")]
+                                               for mix, n in MIXES.items() for layout in ("zigzag",) + documents.LAYOUTS]
         for mix, layout, row in cases:
             doc_ids = None if row is None else documents.local_ids([row], seq // world, device)
             # The ring runs forward and backward: the backend must take both (requires_grad probe).
             backend = _choose_backend(args.backend, full[0][:, :seq // world].detach().requires_grad_(),
                                       full[1][:, :seq // world], full[2][:, :seq // world], True, doc_ids)
             timer = measure.Timer(device, rounds=args.rounds, reduce="median")
-            times, mems, skipped = [], [], {"fwd": 0, "bwd": 0}
+            times, mems, skipped, saved = [], [], {"fwd": 0, "bwd": 0}, {"fwd": 0, "bwd": 0}
             for rank in range(world):
                 call = rank_call(backend, full, rank, world, layout, row, device)
                 with counting() as count:
                     call()
                 skipped = {p: skipped[p] + count.skipped[p] for p in skipped}
+                saved = {p: saved[p] + count.transfers_saved[p] for p in saved}
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                     torch.cuda.reset_peak_memory_stats(device)
@@ -190,7 +192,7 @@ def ring_rows(args, device, dtype, rows):
                                       slowest_ms=slowest, tflops_per_gpu=per_gpu,
                                       vs_dense=per_gpu / dense_tflops, peak_mem_bytes=max(mems),
                                       mem_vs_dense=max(mems) / dense_mem if dense_mem else None,
-                                      skipped_steps=skipped))
+                                      skipped_steps=skipped, transfers_saved=saved))
 
 
 def main():

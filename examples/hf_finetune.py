@@ -52,8 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--global-batch", type=int, default=4, help="sequences per step over all data-parallel ranks")
     p.add_argument("--cp", type=int, default=None, help="ranks per ring (default: all); dp_shard = world / cp")
-    p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous", "document_zigzag"),
-                   help="how a sequence is cut over the ring; document_zigzag cuts every document (--packed-documents)")
+    p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous") + documents.LAYOUTS,
+                   help="how a sequence is cut over the ring; the document layouts follow the documents "
+                        "(--packed-documents)")
     p.add_argument("--packed-documents", action="store_true",
                    help="several documents per sequence, each attending to itself only; a document ends at a "
                         "blank line of the tiny model's byte-level text, at the EOS token appended after every "
@@ -77,8 +78,8 @@ def parse_args(argv=None):
         p.error(f"--metrics: {problem}")
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
-    if args.layout == documents.DOCUMENT_ZIGZAG and not args.packed_documents:
-        p.error(f"--layout {documents.DOCUMENT_ZIGZAG} cuts documents: it needs --packed-documents")
+    if args.layout in documents.LAYOUTS and not args.packed_documents:
+        p.error(f"--layout {args.layout} follows the documents: it needs --packed-documents")
     return args
 
 

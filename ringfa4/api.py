@@ -129,12 +129,12 @@ def _doc_rows(cu_seqlens, q, seq_len):
 
 def _ring_documents(cu_seqlens, q, layout, group, seq_len):
     """(layout, per-row boundaries or None, RingDocuments or None) of a ring call: one document
-    per row is the plain ring, and document_zigzag then is zigzag (its pieces are zigzag's chunks)."""
-    if layout == documents.DOCUMENT_ZIGZAG and cu_seqlens is None:
+    per row is the plain ring, and a document layout then is zigzag (its pieces are zigzag's chunks)."""
+    if layout in documents.LAYOUTS and cu_seqlens is None:
         raise ValueError(f"layout {layout!r} follows the documents: it needs cu_seqlens")
     rows = _doc_rows(cu_seqlens, q, seq_len)
     if rows is None:
-        return ("zigzag" if layout == documents.DOCUMENT_ZIGZAG else layout), None, None
+        return ("zigzag" if layout in documents.LAYOUTS else layout), None, None
     rank, world = ring_layout.group_rank_world(group)
     return layout, rows, ring_documents(rows, rank, world, layout, seq_len, q.device)
 
@@ -175,9 +175,12 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, head_g
     priority transfers can wait for whole kernels (a warning says so once per group).
     ``cu_seqlens``: packed documents in global positions of the full sequence, the same on every
     rank (ringfa4.documents; its checksum is part of the agreement). A ring step whose rows share
-    no document launches nothing (ringfa4.ring.documents counts them). layout "document_zigzag"
-    cuts every document into 2W pieces (rank r holds pieces r and 2W-1-r of each), which balances
-    causal work over documents of any lengths; it needs cu_seqlens, in shard and unshard too.
+    no document launches nothing (ringfa4.ring.documents counts them), and the ring stops after
+    the farthest hop any rank needs. The document layouts need cu_seqlens, in shard and unshard
+    too: "document_zigzag" cuts every document into 2W pieces (rank r holds pieces r and 2W-1-r
+    of each), which balances causal work over documents of any lengths; "document_balanced"
+    keeps documents whole where it can, balancing work over the ranks, so that most steps see
+    nothing and the ring stops early (ringfa4.documents).
     """
     _check_qkv(q, k, v, causal)
     _check_flag(deterministic, "deterministic")

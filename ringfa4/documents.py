@@ -1,5 +1,5 @@
 """Packed documents: ``cu_seqlens`` checked once, turned into per-row document ids, and the
-"document_zigzag" layout.
+layouts that follow the documents ("document_zigzag", "document_balanced").
 
 cu_seqlens is FlashAttention's varlen format: ONE 1-D int32 tensor of cumulative document
 lengths, starting at 0, strictly increasing. Its last value says how it applies to a batch of
@@ -16,12 +16,27 @@ position j iff both lie in the same document (and j <= i when causal).
 
 Backends receive ``doc_ids = (q_ids, k_ids)``: int32 (b, sq) and (b, sk) on q's device, the
 document index of every query and key row, nondecreasing along the sequence (ringfa4.backends).
+
+Which rank holds a document changes no result (attention is per document), so the document
+layouts place them for the ring's sake; each rank holds its positions in increasing order:
+  - document_zigzag: every document cut into 2W pieces, rank r holding pieces r and 2W-1-r (the
+    same causal work of every document on every rank, but every piece short);
+  - document_balanced: documents whole where they can be. Those whose causal work exceeds a
+    rank's even share, or that are longer than a rank's L/W tokens, are cut as document_zigzag
+    cuts them; the others go whole, largest first, to the rank with the least work that still has
+    room; what is left fills the ranks' remaining room in rank order, a document cut into
+    consecutive pieces on consecutive ranks. Every rank holds exactly L/W tokens, most documents
+    sit on one rank, and a ring needs only as many steps as the farthest piece it must reach
+    (ringfa4.ring.documents).
 """
+import math
 import zlib
 
 import torch
 
 DOCUMENT_ZIGZAG = "document_zigzag"
+DOCUMENT_BALANCED = "document_balanced"
+LAYOUTS = (DOCUMENT_ZIGZAG, DOCUMENT_BALANCED)
 
 
 def _host_values(cu_seqlens, device):
@@ -107,42 +122,90 @@ def pieces(row, world):
     return out
 
 
-def zigzag_positions(rows, rank, world):
-    """document_zigzag: (b, L) int64, the global positions ring rank ``rank`` of ``world`` holds,
-    in local order (ringfa4.ring.documents.positions: any layout)."""
-    held = (rank, 2 * world - 1 - rank)
-    return torch.stack([torch.cat([torch.arange(a, b) for _, p, a, b in pieces(row, world) if p in held])
-                        for row in rows])
+def _pairs(n):
+    """Causal (query, key) pairs of the first n tokens of a document."""
+    return n * (n + 1) // 2
 
 
-def late_rows(rows, rank, world):
-    """document_zigzag: (b, L) bool, True for the rows of the rank's second piece of each document."""
-    return torch.stack([torch.cat([torch.full((b - a,), p >= world) for _, p, a, b in pieces(row, world)
-                                   if p in (rank, 2 * world - 1 - rank)]) for row in rows])
+def balanced_pieces(row, world):
+    """document_balanced: the pieces of ``row`` as (rank, start, stop), every rank's summing to
+    row[-1] / world tokens (see the module docstring)."""
+    share = row[-1] // world
+    docs = list(zip(row[:-1], row[1:]))
+    target = sum(_pairs(b - a) for a, b in docs) / world
+    out, room, work, left = [], [share] * world, [0] * world, []
+
+    def place(rank, d, a, b):
+        first = docs[d][0]
+        out.append((rank, a, b))
+        room[rank] -= b - a
+        work[rank] += _pairs(b - first) - _pairs(a - first)
+
+    # Longer than two ranks' share: cut as document_zigzag cuts it, the same work on every rank.
+    long = {d for d, (a, b) in enumerate(docs) if b - a > 2 * share}
+    for d, p, a, b in pieces(row, world):
+        if d in long:
+            place(min(p, 2 * world - 1 - p), d, a, b)
+    for d in sorted(set(range(len(docs))) - long, key=lambda d: docs[d][0] - docs[d][1]):  # longest first
+        a, b = docs[d]
+        # More work than a rank's even share: consecutive pieces of equal work (a prefix of x tokens
+        # holds x(x+1)/2 pairs) on as many consecutive ranks, each seeing the ones before it.
+        k = min(world, math.ceil(_pairs(b - a) / target))
+        cuts = [a + round((b - a) * math.sqrt(j / k)) for j in range(k + 1)]
+        windows = [r for r in range(world - k + 1)
+                   if all(room[r + j] >= cuts[j + 1] - cuts[j] for j in range(k))]
+        if not windows:
+            left.append(d)
+            continue
+        start = min(windows, key=lambda r: max(work[r:r + k]))
+        for j in range(k):
+            place(start + j, d, cuts[j], cuts[j + 1])
+    # What did not fit fills the ranks' remaining room in rank order, cut where a rank is full.
+    rank = 0
+    for d in sorted(left):
+        a, b = docs[d]
+        while a < b:
+            while room[rank] == 0:
+                rank += 1
+            n = min(room[rank], b - a)
+            place(rank, d, a, a + n)
+            a += n
+    return out
+
+
+def held_positions(rows, rank, world, layout):
+    """(b, L) int64, the global positions ring rank ``rank`` of ``world`` holds under a document
+    layout, in increasing order (ringfa4.ring.documents.positions: any layout)."""
+    if layout == DOCUMENT_ZIGZAG:
+        held = (rank, 2 * world - 1 - rank)
+        ranges = [[(a, b) for _, p, a, b in pieces(row, world) if p in held] for row in rows]
+    else:
+        ranges = [sorted((a, b) for r, a, b in balanced_pieces(row, world) if r == rank) for row in rows]
+    return torch.stack([torch.cat([torch.arange(a, b) for a, b in row]) for row in ranges])
 
 
 def _gather_index(index, x):
     return index.to(x.device).view(*index.shape, *[1] * (x.dim() - 2)).expand(-1, -1, *x.shape[2:])
 
 
-def part(x, rows, rank, world, dim=1, head_rank=0, head_world=1):
-    """document_zigzag: the part of the full sequence ``x`` (batch rows along dim 0, the sequence
-    along ``dim``) that ring rank ``rank`` of ``world`` holds; with a head group, piece
-    ``head_rank`` of ``head_world`` of it (as ringfa4.ring.layout.part)."""
+def part(x, rows, rank, world, layout, dim=1, head_rank=0, head_world=1):
+    """The part of the full sequence ``x`` (batch rows along dim 0, the sequence along ``dim``)
+    that ring rank ``rank`` of ``world`` holds under a document ``layout``; with a head group,
+    piece ``head_rank`` of ``head_world`` of it (as ringfa4.ring.layout.part)."""
     x = x.movedim(dim, 1)
-    local = torch.gather(x, 1, _gather_index(zigzag_positions(rows, rank, world), x))
+    local = torch.gather(x, 1, _gather_index(held_positions(rows, rank, world, layout), x))
     if head_world > 1:
         local = local.chunk(head_world, dim=1)[head_rank]
     return local.movedim(1, dim)
 
 
-def assemble(parts, rows, world, dim=1):
-    """document_zigzag: the full sequence from every ring rank's part (in rank order)."""
+def assemble(parts, rows, world, layout, dim=1):
+    """The full sequence from every ring rank's part (in rank order) under a document ``layout``."""
     parts = [p.movedim(dim, 1) for p in parts]
     seq_len = parts[0].shape[1] * world
     full = parts[0].new_zeros(parts[0].shape[0], seq_len, *parts[0].shape[2:])
     for rank, local in enumerate(parts):
-        full = full.scatter(1, _gather_index(zigzag_positions(rows, rank, world), local), local)
+        full = full.scatter(1, _gather_index(held_positions(rows, rank, world, layout), local), local)
     return full.movedim(1, dim)
 
 

@@ -208,7 +208,7 @@ class _RingAttention:
         if self._checked is not None and _is(self._checked[0], position_ids) and _is(self._checked[1], cu_seqlens):
             return self._checked[2]
         layout, seq_len = self.ring.layout, local_len * world
-        if cu_seqlens is None and layout == documents.DOCUMENT_ZIGZAG:
+        if cu_seqlens is None and layout in documents.LAYOUTS:
             raise ValueError(f"layout {layout!r} follows the documents, but the model got no cu_seqlens: pass "
                              "Ring.shard_batch's cu_seqlens to the model (causal_lm_loss does)")
         host = None if cu_seqlens is None else cu_seqlens.cpu()

@@ -44,7 +44,7 @@ def test_document_zigzag_gives_every_rank_both_pieces_of_every_document_and_equa
         world = rng.choice([2, 3, 4, 8])
         seq = 2 * world * rng.randrange(1, 12)
         row = sorted({0, seq, *rng.sample(range(1, seq), min(seq - 1, rng.randrange(0, 9)))})
-        held = [documents.zigzag_positions([row], r, world)[0] for r in range(world)]
+        held = [documents.held_positions([row], r, world, documents.DOCUMENT_ZIGZAG)[0] for r in range(world)]
         assert all(len(h) == seq // world for h in held), (row, world)
         assert sorted(torch.cat(held).tolist()) == list(range(seq)), (row, world)
         for pieces in [documents.pieces(row, world)]:
@@ -52,6 +52,28 @@ def test_document_zigzag_gives_every_rank_both_pieces_of_every_document_and_equa
             for d, p, a, b in pieces:
                 sizes.setdefault(d, []).append(b - a)
             assert all(max(s) - min(s) <= 1 for s in sizes.values()), (row, world)  # every document cut evenly
+
+
+def test_document_balanced_gives_every_rank_its_share_in_increasing_positions():
+    rng = random.Random(3)
+    for _ in range(200):
+        world = rng.choice([2, 3, 4, 8])
+        seq = 2 * world * rng.randrange(1, 12)
+        row = sorted({0, seq, *rng.sample(range(1, seq), min(seq - 1, rng.randrange(0, 9)))})
+        held = [documents.held_positions([row], r, world, documents.DOCUMENT_BALANCED)[0] for r in range(world)]
+        assert all(len(h) == seq // world for h in held), (row, world)
+        assert all(bool((h[1:] > h[:-1]).all()) for h in held), (row, world)
+        assert sorted(torch.cat(held).tolist()) == list(range(seq)), (row, world)
+
+
+def test_a_ring_over_documents_that_stay_whole_on_their_ranks_takes_one_step():
+    from ringfa4.ring.documents import RingDocuments
+    # 4 ranks of 16 tokens, 8 documents of 8: two whole documents per rank balance the work.
+    row = list(range(0, 65, 8))
+    docs = RingDocuments([row], 0, 4, documents.DOCUMENT_BALANCED, 64, "cpu")
+    assert docs.steps(causal=True) == 1 and docs.steps(causal=False) == 1
+    # document_zigzag cuts every document over every rank: the ring takes all W steps.
+    assert RingDocuments([row], 0, 4, documents.DOCUMENT_ZIGZAG, 64, "cpu").steps(causal=True) == 4
 
 
 @pytest.mark.parametrize("cu, error, match", [
@@ -117,4 +139,4 @@ def test_plan_prints_the_documents_balance():
     import sys
     out = subprocess.run([sys.executable, "-m", "ringfa4.plan", "--documents", "--seq", "16384"],
                          capture_output=True, text=True, check=True).stdout
-    assert "document_zigzag" in out and len(out.splitlines()) == 2 + 2 * 2 * 3
+    assert "document_balanced" in out and len(out.splitlines()) == 2 + 2 * 2 * 3

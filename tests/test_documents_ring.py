@@ -13,7 +13,7 @@ from ringfa4 import documents
 from ringfa4.ring.documents import counting
 
 TOL = 1e-9
-LAYOUTS = ("zigzag", "contiguous", "document_zigzag")
+LAYOUTS = ("zigzag", "contiguous") + documents.LAYOUTS
 
 
 def document_attention_fp64(q, k, v, rows, causal, scale=None):
@@ -42,6 +42,7 @@ def boundary_sets(world, seq, rng):
         "one document spanning every rank": [0, 1, seq - 2, seq],
         "boundaries on chunk edges": list(range(0, seq + 1, chunk)),
         "many tiny documents": sorted({0, seq, *range(0, seq, 3)}),
+        "a document longer than a rank's share": [0, 3, 3 + seq // world + 5, seq],
     }
 
 
@@ -98,7 +99,7 @@ def _check_single_document(rank, world, seed):
     for layout in LAYOUTS:
         for causal in (False, True):
             q, k, v, dout = (torch.randn(2, seq, n, 16, dtype=torch.float64, generator=gen) for n in (4, 2, 2, 4))
-            shard_layout = "zigzag" if layout == "document_zigzag" else layout
+            shard_layout = "zigzag" if layout in documents.LAYOUTS else layout
             local = [ringfa4.shard(t, layout=shard_layout).requires_grad_() for t in (q, k, v)]
             dense = _run_ring(local, shard_layout, causal, None, None, ringfa4.shard(dout, layout=shard_layout))
             for cu in ([0, seq], [0, seq, 2 * seq]):  # shared by the batch; FA's packed batch
@@ -114,20 +115,28 @@ def test_one_document_per_row_is_the_dense_ring_bit_for_bit():
 
 def _check_skips(rank, world, seed):
     gen = torch.Generator().manual_seed(seed)
-    seq = 8 * world
-    # Contiguous, causal, documents inside each rank's chunk: every step but the local one shares nothing.
-    cu = torch.tensor(list(range(0, seq + 1, 8)), dtype=torch.int32)
-    local = [ringfa4.shard(t, layout="contiguous").requires_grad_()
-             for t in (torch.randn(1, seq, 2, 8, dtype=torch.float64, generator=gen) for _ in range(3))]
+    # Zigzag over 3 ranks, 6 chunks of 4 (rank 0: chunks 0, 5; rank 1: 1, 4; rank 2: 2, 3); one
+    # document spans chunks 1 and 2, the others stay in a chunk: only rank 2 sees another rank's
+    # keys (rank 1's, one hop), so the ring takes 2 steps, and ranks 0 and 1 skip their second.
+    cu = torch.tensor([0, 4, 12, 16, 20, 24], dtype=torch.int32)
+    local = [ringfa4.shard(t).requires_grad_()
+             for t in (torch.randn(1, 24, 2, 8, dtype=torch.float64, generator=gen) for _ in range(3))]
     with counting() as count:
-        out = ringfa4.ring_attention(*local, causal=True, layout="contiguous", backend="torch", cu_seqlens=cu)
+        out = ringfa4.ring_attention(*local, causal=True, backend="torch", cu_seqlens=cu)
         out.sum().backward()
-    # Causal contiguous: rank r computes its local step and r steps of earlier ranks, all skipped.
-    assert count.computed == {"fwd": 1, "bwd": 1}, count
-    assert count.skipped == {"fwd": rank, "bwd": rank}, count
+    seen = rank == 2
+    assert count.computed == {"fwd": 1 + seen, "bwd": 1 + seen}, count
+    assert count.skipped == {"fwd": 1 - seen, "bwd": 1 - seen}, count
     kv_bytes = 2 * 8 * 2 * 8 * 8  # k and v rows of a block, fp64
-    assert count.skipped_kv_bytes == {"fwd": rank * kv_bytes, "bwd": rank * kv_bytes}, count
+    # The skipped step's keys: rank 0's (a later source) every key, rank 1's (an earlier one) the
+    # first chunk's (ringfa4.ring.schedule).
+    skipped = {0: kv_bytes, 1: kv_bytes // 2, 2: 0}[rank]
+    assert count.skipped_kv_bytes == {"fwd": skipped, "bwd": skipped}, count
+    # Not made: 1 of the forward's 2 KV transfers; in the backward its 1 KV transfer and 1 of its
+    # 2 dK/dV sums.
+    assert count.transfers_saved == {"fwd": 1, "bwd": 2}, count
+    assert count.transfer_bytes_saved == {"fwd": kv_bytes, "bwd": 2 * kv_bytes}, count
 
 
-def test_steps_without_a_shared_document_launch_nothing_and_are_counted():
+def test_steps_without_a_shared_document_launch_nothing_and_the_ring_stops_after_the_farthest_hop():
     run(_check_skips, 3, random.randrange(2**31))

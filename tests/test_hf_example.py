@@ -135,7 +135,7 @@ def test_packed_documents_first_loss_matches_each_document_run_alone(tmp_path, l
 def test_document_zigzag_needs_packed_documents(capsys):
     with pytest.raises(SystemExit):
         load_example().parse_args(["--layout", "document_zigzag"])
-    assert "--layout document_zigzag cuts documents: it needs --packed-documents" in capsys.readouterr().err
+    assert "--layout document_zigzag follows the documents: it needs --packed-documents" in capsys.readouterr().err
 
 
 def test_packed_documents_of_a_model_end_every_text_file_with_its_eos_token(tmp_path):

@@ -103,7 +103,7 @@ def fully_shard_blocks(model, blocks, mesh, param_dtype=None):
 
 def shard_sequence(tensors, group, layout, head_group=None, cu_seqlens=None):
     """This rank's part of each (b, s, ...) tensor along s, in the ring ``layout`` over ``group``
-    (and ``head_group``, see ringfa4.shard; ``cu_seqlens`` for layout "document_zigzag")."""
+    (and ``head_group``, see ringfa4.shard; ``cu_seqlens`` for the document layouts)."""
     if (group is None or dist.get_world_size(group) == 1) and head_group is None:
         return list(tensors)
     return [ringfa4.shard(t, dim=1, group=group, layout=layout, head_group=head_group, cu_seqlens=cu_seqlens)

@@ -11,11 +11,16 @@ one: step j holds the block of rank r + 1 + j. Its first block is the one the fo
 (kept for it), its last is the rank's own, so for W ranks only W - 2 KV blocks travel. The dK/dV
 sums of a block go round with it and reach home during the local step, whose compute hides that
 last transfer as well: no transfer is left exposed.
+
+With packed documents no rank may need blocks from farther than h hops (RingDocuments.steps):
+the forward then takes steps 0..h, the backward h + 1 steps from the block of rank r - h, and
+every block travels h hops instead of W - 1. Without documents the ring takes W steps.
 """
 import torch
 
 from ringfa4.documents import call_kwargs
 from ringfa4.ring import timeline
+from ringfa4.ring.documents import count_saved
 from ringfa4.ring.comm import Ring
 from ringfa4.ring.merge import merge_
 from ringfa4.ring.schedule import plan, row_chunk
@@ -25,14 +30,18 @@ def _empty_like(tensors, dtype=None):
     return [torch.empty_like(t, dtype=dtype) for t in tensors]
 
 
-def _sum_dtype(x, lse, world):
+def _sum_dtype(x, lse, steps):
     """Where partial sums of the output and of dK/dV live between ring steps.
 
-    With two ranks every row gets exactly one later term, so the sum is taken once, in fp32 inside
+    With two steps every row gets exactly one later term, so the sum is taken once, in fp32 inside
     the add or merge, and rounded once: keeping it in the input dtype gives the same bits as an fp32
-    buffer cast at the end, without the casts. More ranks sum several terms: fp32 (fp64 for fp64).
+    buffer cast at the end, without the casts. More steps sum several terms: fp32 (fp64 for fp64).
     """
-    return x.dtype if world == 2 else lse.dtype
+    return x.dtype if steps == 2 else lse.dtype
+
+
+def _nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def ring_forward(backend, q, k, v, causal, softmax_scale, ring, layout, docs=None):
@@ -41,11 +50,13 @@ def ring_forward(backend, q, k, v, causal, softmax_scale, ring, layout, docs=Non
     ``ring``: a comm.Ring (or a stand-in with its rank, world, start and wait, ringfa4.ring.simulate).
     ``docs``: a ringfa4.ring.documents.RingDocuments of this call, or None (no documents)."""
     rank, world = ring.rank, ring.world
+    steps = world if docs is None else docs.steps(causal)
     kv = [k.contiguous(), v.contiguous()]
-    targets = [_empty_like(kv) for _ in range(min(2, world - 1))]
+    targets = [_empty_like(kv) for _ in range(min(2, steps - 1))]
+    count_saved("fwd", world - steps, (world - steps) * _nbytes(kv))
     out = lse = None
-    for i in range(world):
-        last = i + 1 == world
+    for i in range(steps):
+        last = i + 1 == steps
         works = ring.start(kv, targets[i % 2], span=("fwd", i, "kv")) if not last else []
         source = (rank - i) % world
         step, ids = plan(rank, source, layout, causal, q.shape[1]), None
@@ -56,7 +67,7 @@ def ring_forward(backend, q, k, v, causal, softmax_scale, ring, layout, docs=Non
             o, l = backend.forward(q[:, step.q], kv[0][:, step.kv], kv[1][:, step.kv], step.causal, softmax_scale,
                                    **call_kwargs(ids))
             if out is None:  # step 0, the local block, always covers every query row
-                out, lse = o.to(_sum_dtype(q, l, world)), l
+                out, lse = o.to(_sum_dtype(q, l, steps)), l
             else:
                 merging = timeline.begin(q.device)
                 merge_(out[:, step.q], lse[:, :, step.q], o, l)
@@ -78,16 +89,19 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
     rank's own block: they are the result.
     """
     rank, world = ring.rank, ring.world
+    steps = world if docs is None else docs.steps(causal)
     kv = kv_first
-    targets = [_empty_like(kv) for _ in range(min(2, world - 2))]
+    targets = [_empty_like(kv) for _ in range(min(2, steps - 2))]
+    kv_saved = max(0, world - 2) - max(0, steps - 2)
+    count_saved("bwd", kv_saved + world - steps, (kv_saved + world - steps) * _nbytes(kv))
     queries = backend.query_state(dout, q, out, lse, softmax_scale, row_chunk(layout, causal, q.shape[1]))
     dkv = inbox = None
     dkv_works = []
-    for j in range(world):
-        local = j + 1 == world
+    for j in range(steps):
+        local = j + 1 == steps
         # The block of step j + 1 travels during step j; the local one is already here.
-        kv_works = ring.start(kv, targets[j % 2], span=("bwd", j, "kv")) if j + 2 < world else []
-        source = (rank + 1 + j) % world
+        kv_works = ring.start(kv, targets[j % 2], span=("bwd", j, "kv")) if j + 2 < steps else []
+        source = (rank - steps + 1 + j) % world
         step, ids = plan(rank, source, layout, causal, q.shape[1]), None
         if docs is not None:
             step, ids = docs.step(step, source, causal, "bwd", kv)
@@ -101,7 +115,7 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
                 **call_kwargs(ids),
             )
         if j == 0:  # this block's sums start here
-            sum_dtype = _sum_dtype(kv[0], lse, world)
+            sum_dtype = _sum_dtype(kv[0], lse, steps)
             if step is not None and step.kv == slice(0, k.shape[1]):
                 dkv = [g.to(sum_dtype) for g in grads]
             else:
@@ -122,7 +136,7 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
         if not local:
             dkv_works = ring.start(dkv, inbox, tag=1, span=("bwd", j, "dkv"))
             ring.wait(kv_works)
-            kv = targets[j % 2] if j + 2 < world else [k, v]
+            kv = targets[j % 2] if j + 2 < steps else [k, v]
     dk, dv = dkv
     return queries.dq(), dk.to(k.dtype), dv.to(v.dtype)
 

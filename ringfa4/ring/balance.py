@@ -11,8 +11,8 @@ import math
 
 import numpy as np
 
-from ringfa4 import flops
-from ringfa4.ring.documents import positions
+from ringfa4 import documents, flops
+from ringfa4.ring.documents import RingDocuments, positions
 
 MIX_MEDIAN, MIX_SIGMA, MIX_MIN = 4096, 1.0, 16
 LONG_MIN = 65536
@@ -54,21 +54,29 @@ def imbalance(row, world, layout, causal=True):
 
 
 MIXES = (("log-normal", 0), ("log-normal + 3 long", 3))
-LAYOUTS = ("zigzag", "contiguous", "document_zigzag")
+LAYOUTS = ("zigzag", "contiguous") + documents.LAYOUTS
+
+
+def ring_steps(row, world, layout, causal=True):
+    """Steps a ring over these documents takes (ringfa4.ring.documents.RingDocuments.steps)."""
+    return RingDocuments([row], 0, world, layout, row[-1], "cpu").steps(causal)
 
 
 def report(totals=(1 << 17, 1 << 19), worlds=(2, 4, 8), seeds=(0, 1, 2)):
     """Lines of the table `python -m ringfa4.plan --documents` prints: worst rank / mean, causal,
     per layout, for each mix, total length and ring size, over a few seeds (their worst)."""
     lines = ["packed documents, causal: worst rank's visible-pair FLOPs / mean (max over seeds "
-             f"{', '.join(map(str, seeds))}; log-normal lengths, median {MIX_MEDIAN}, sigma {MIX_SIGMA})",
-             f"{'mix':<20} {'total':>7} {'docs':>9} {'W':>2}  " + "  ".join(f"{x:>15}" for x in LAYOUTS)]
+             f"{', '.join(map(str, seeds))}; log-normal lengths, median {MIX_MEDIAN}, sigma {MIX_SIGMA}), "
+             "and the most ring steps document_balanced takes (of W)",
+             f"{'mix':<20} {'total':>7} {'docs':>9} {'W':>2}  " + "  ".join(f"{x:>15}" for x in LAYOUTS)
+             + "  steps"]
     for name, long_docs in MIXES:
         for total in totals:
             rows = [document_mix(total, seed, long_docs) for seed in seeds]
             counts = sorted(len(r) - 1 for r in rows)
             for world in worlds:
                 worst = [max(imbalance(r, world, layout) for r in rows) for layout in LAYOUTS]
+                steps = max(ring_steps(r, world, documents.DOCUMENT_BALANCED) for r in rows)
                 lines.append(f"{name:<20} {total // 1024:>6}k {counts[0]:>4}-{counts[-1]:<4} {world:>2}  "
-                             + "  ".join(f"{w:>14.3f}x" for w in worst))
+                             + "  ".join(f"{w:>14.3f}x" for w in worst) + f"  {steps:>5}")
     return lines

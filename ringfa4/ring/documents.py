@@ -1,22 +1,24 @@
 """Packed documents inside a ring: which documents each step's rows hold, the ids its backend
-call gets, the steps that launch nothing, and a count of them for benchmarks.
+call gets, the steps that launch nothing, how many steps the ring needs, and a count of them.
 
 Every rank knows cu_seqlens (the same on every rank) and the layout, so it derives the document
 ids of every rank's rows by itself: nothing about documents travels with the KV blocks.
 
 A step whose query rows and held keys share no document (in any batch row) launches nothing: no
-kernel, no merge, no dK/dV add. Its KV block still travels (later ranks need it), so no
-transfer is saved. ``counting()`` reports, per phase, the steps computed and skipped, and the
-bytes of K and V the skipped steps' kernels did not read.
+kernel, no merge, no dK/dV add. Beyond the farthest hop at which any rank still sees keys (rank
+r seeing rank r - h's), no rank needs another block: the ring then takes h + 1 steps instead of
+W and the blocks travel h hops (ringfa4.ring.attention). ``counting()`` reports, per phase, the
+steps computed and skipped, the bytes of K and V the skipped steps' kernels did not read, and
+the transfers the shorter ring did not make.
 
-document_zigzag (ringfa4.documents.pieces): rank r holds pieces r and 2W-1-r of every document,
-so for another rank's block every document's visible part is all-or-nothing per piece:
-  - from an earlier rank s < r: both local pieces see the block's first piece (s) and not its
-    second (2W-1-s);
-  - from a later rank s > r: only the local second piece (2W-1-r) sees, and it sees both.
-Such a step is one non-causal call over all rows whose ids say exactly that: document d's
-visible rows get id 2d, its invisible ones 2d+1 (keys after) or 2d-1 (queries before), which
-match nothing and keep the ids nondecreasing.
+Under a document layout (ringfa4.documents) a rank holds each document as one or two pieces of
+consecutive positions, and for another rank's block every pair of pieces of a document is seen
+all or nothing (a key piece before a query piece is seen whole, after it not at all). Such a step
+is one non-causal call over all rows whose ids say exactly that: a document d's rows get 4d, its
+key pieces no query piece sees 4d + 1, or its query pieces that see no key piece 4d - 1, which
+match nothing and keep the ids nondecreasing. (document_zigzag: from an earlier rank both local
+pieces see the block's first piece and not its second; from a later one only the local second
+piece sees, and it sees both.)
 """
 import contextlib
 import functools
@@ -35,6 +37,8 @@ class SkipCount:
     computed: dict
     skipped: dict
     skipped_kv_bytes: dict
+    transfers_saved: dict  # block transfers (KV, or dK/dV sums) a ring shorter than W steps did not make
+    transfer_bytes_saved: dict
 
 
 _active = None
@@ -46,7 +50,7 @@ def counting():
     global _active
     if _active is not None:
         raise RuntimeError("documents.counting() blocks do not nest")
-    _active = SkipCount({"fwd": 0, "bwd": 0}, {"fwd": 0, "bwd": 0}, {"fwd": 0, "bwd": 0})
+    _active = SkipCount(*({"fwd": 0, "bwd": 0} for _ in range(5)))
     try:
         yield _active
     finally:
@@ -63,13 +67,58 @@ def _count(phase, skipped, kv_bytes=0):
         _active.computed[phase] += 1
 
 
+def count_saved(phase, transfers, nbytes):
+    """Record ``transfers`` block transfers (``nbytes`` in all) that a shorter ring did not make."""
+    if _active is not None and transfers:
+        _active.transfers_saved[phase] += transfers
+        _active.transfer_bytes_saved[phase] += nbytes
+
+
 def positions(rows, rank, world, layout, seq_len):
-    """(b, L) int64: the global positions ring rank ``rank`` of ``world`` holds, in local order."""
-    if layout == documents.DOCUMENT_ZIGZAG:
-        return documents.zigzag_positions(rows, rank, world)
+    """(b, L) int64: the global positions ring rank ``rank`` of ``world`` holds, in local order
+    (increasing, for every layout)."""
+    if layout in documents.LAYOUTS:
+        return documents.held_positions(rows, rank, world, layout)
     chunk = seq_len // num_chunks(world, layout)
     local = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in chunk_ids(rank, world, layout)])
     return local.expand(len(rows), -1)
+
+
+def _spans(ids, pos):
+    """Per batch row, {document: (first position, last position)} of a rank's rows."""
+    out = []
+    for d_row, p_row in zip(ids.numpy(), pos.numpy()):
+        docs, first = np.unique(d_row, return_index=True)
+        last = np.append(first[1:], len(d_row)) - 1
+        out.append(dict(zip(docs.tolist(), zip(p_row[first].tolist(), p_row[last].tolist()))))
+    return out
+
+
+def _pieces(pos):
+    """Per row, the start position of the piece (run of consecutive positions) it lies in."""
+    new = torch.ones_like(pos, dtype=torch.bool)
+    new[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    index = torch.where(new, torch.arange(pos.shape[1]).expand_as(pos), 0).cummax(dim=1).values
+    return torch.gather(pos, 1, index)
+
+
+def _piece_ids(q_doc, q_piece, k_doc, k_piece, layout):
+    """(q ids, k ids) of one batch row for a causal step between two ranks' pieces (the module
+    docstring's 4d, 4d + 1, 4d - 1)."""
+    q_ids, k_ids = 4 * q_doc.astype(np.int64), 4 * k_doc.astype(np.int64)
+    for d in np.intersect1d(q_doc, k_doc):
+        q_starts, k_starts = np.unique(q_piece[q_doc == d]), np.unique(k_piece[k_doc == d])
+        sees = k_starts[None, :] < q_starts[:, None]  # (q piece, k piece)
+        if sees.all():
+            continue
+        if (sees == sees[:1]).all():  # each key piece seen by every query piece or by none
+            k_ids[(k_doc == d) & np.isin(k_piece, k_starts[~sees[0]])] += 1
+        elif (sees == sees[:, :1]).all():  # each query piece sees every key piece or none
+            q_ids[(q_doc == d) & np.isin(q_piece, q_starts[~sees[:, 0]])] -= 1
+        else:
+            raise RuntimeError(f"layout {layout!r}: document {d}'s pieces interleave across two ranks, which "
+                               f"one call's ids cannot express")
+    return q_ids, k_ids
 
 
 class RingDocuments:
@@ -78,42 +127,60 @@ class RingDocuments:
     decision is taken without a device sync, and on the device, for the backend."""
 
     def __init__(self, rows, rank, world, layout, seq_len, device):
-        self.rank, self.world = rank, world
-        host = [documents.ids_at(rows, positions(rows, r, world, layout, seq_len)) for r in range(world)]
-        late = ([documents.late_rows(rows, r, world) for r in range(world)]
-                if layout == documents.DOCUMENT_ZIGZAG else None)
-        self._host = (host, late)
-        self._device = ([t.to(device) for t in host], None if late is None else [t.to(device) for t in late])
+        self.rank, self.world, self.layout, self.device = rank, world, layout, device
+        pos = [positions(rows, r, world, layout, seq_len) for r in range(world)]
+        self._ids = [documents.ids_at(rows, p) for p in pos]
+        self._spans = [_spans(i, p) for i, p in zip(self._ids, pos)]
+        self._piece = [_pieces(p) for p in pos]
+        self._local = self._ids[rank].to(device)
+        self._step_ids, self._steps = {}, {}
 
     @property
     def local(self):
         """doc_ids (q_ids, k_ids) of this rank's rows against themselves."""
-        ids = self._device[0][self.rank]
-        return ids, ids
+        return self._local, self._local
 
-    def _ids(self, where, source, causal):
-        """(q ids, k ids) of all local rows against ``source``'s block (see the module docstring)."""
-        ids, late = where
-        q, k = ids[self.rank], ids[source]
-        if late is None or not causal or source == self.rank:
-            return q, k
-        if source < self.rank:
-            return q * 2, k * 2 + late[source]
-        return q * 2 - (~late[self.rank]).to(q.dtype), k * 2
+    def _sees(self, rank, source, causal):
+        """Whether any query of ``rank`` sees a key of ``source`` (same document, and causal, an
+        earlier position)."""
+        for mine, theirs in zip(self._spans[rank], self._spans[source]):
+            for d, (first, _) in theirs.items():
+                if d in mine and (not causal or first < mine[d][1]):
+                    return True
+        return False
+
+    def steps(self, causal):
+        """Ring steps the call needs: one more than the farthest hop at which a rank sees keys."""
+        w = self.world
+        if causal not in self._steps:
+            self._steps[causal] = 1 + max((r - s) % w for r in range(w) for s in range(w)
+                                          if s == r or self._sees(r, s, causal))
+        return self._steps[causal]
+
+    def _ids_for(self, source, causal):
+        """(q ids, k ids) of all local rows against ``source``'s block (the module docstring), on
+        the host and on the device."""
+        key = (source, causal)
+        if key not in self._step_ids:
+            q, k = self._ids[self.rank], self._ids[source]
+            if causal and source != self.rank and self.layout in documents.LAYOUTS:
+                pairs = [_piece_ids(qd, qp, kd, kp, self.layout) for qd, qp, kd, kp in
+                         zip(q.numpy(), self._piece[self.rank].numpy(), k.numpy(), self._piece[source].numpy())]
+                q, k = (torch.from_numpy(np.stack(t)).to(torch.int32) for t in zip(*pairs))
+            self._step_ids[key] = (q, k, q.to(self.device), k.to(self.device))
+        return self._step_ids[key]
 
     def step(self, step, source, causal, phase, kv):
         """(step, doc_ids) for the backend, or (None, None) when the step shares no document
         (counted as skipped, with the bytes of the ``kv`` rows it would have read)."""
         if step is None:
             return None, None
-        q, k = self._ids(self._host, source, causal)
-        q, k = q[:, step.q].numpy(), k[:, step.kv].numpy()
-        if not any(np.intersect1d(qr, kr).size for qr, kr in zip(q, k)):
+        q, k, q_dev, k_dev = self._ids_for(source, causal)
+        if not any(np.intersect1d(qr, kr).size for qr, kr in zip(q[:, step.q].numpy(), k[:, step.kv].numpy())):
             _count(phase, True, sum(t[:, step.kv].numel() * t.element_size() for t in kv))
             return None, None
         _count(phase, False)
-        q, k = self._ids(self._device, source, causal)
-        return step, (q[:, step.q], k[:, step.kv])
+        return step, (q_dev[:, step.q], k_dev[:, step.kv])
 
 
 def ring_documents(rows, rank, world, layout, seq_len, device):

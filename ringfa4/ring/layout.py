@@ -9,8 +9,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 
-# document_zigzag (ringfa4.documents): zigzag inside every document; it needs cu_seqlens.
-LAYOUTS = ("zigzag", "contiguous", "document_zigzag")
+from ringfa4 import documents
+
+# The document layouts (ringfa4.documents) follow the documents and need cu_seqlens.
+LAYOUTS = ("zigzag", "contiguous") + documents.LAYOUTS
 
 
 def check_layout(layout):
@@ -27,8 +29,8 @@ def num_chunks(world, layout):
 def chunk_ids(rank, world, layout):
     """The chunks rank holds, in the order they sit in its local sequence."""
     check_layout(layout)
-    if layout == "document_zigzag":
-        raise ValueError("layout 'document_zigzag' follows the documents: pass cu_seqlens (ringfa4.documents)")
+    if layout in documents.LAYOUTS:
+        raise ValueError(f"layout {layout!r} follows the documents: pass cu_seqlens (ringfa4.documents)")
     return (rank, 2 * world - 1 - rank) if layout == "zigzag" else (rank,)
 
 
@@ -82,10 +84,9 @@ def part(x, rank, world, layout, dim=1, head_rank=0, head_world=1):
 
 
 def _document_rows(x, dim, cu_seqlens, layout):
-    from ringfa4 import documents
     if cu_seqlens is None:
         raise ValueError(f"layout {layout!r} follows the documents: it needs cu_seqlens")
-    return documents, documents.row_boundaries(cu_seqlens, x.shape[0], x.shape[dim], x.device)
+    return documents.row_boundaries(cu_seqlens, x.shape[0], x.shape[dim], x.device)
 
 
 def shard(x, dim=1, group=None, layout="zigzag", head_group=None, cu_seqlens=None):
@@ -93,20 +94,20 @@ def shard(x, dim=1, group=None, layout="zigzag", head_group=None, cu_seqlens=Non
 
     With a ``head_group`` of U ranks, each ring shard is cut into U contiguous pieces and member u
     of the head group holds piece u (see ringfa4.ring.heads). ``cu_seqlens`` (packed documents of
-    the batch rows, dim 0) is needed by layout "document_zigzag" only.
+    the batch rows, dim 0) is needed by the document layouts only.
     """
     rank, world = group_rank_world(group)
     head_rank, head_world = _head_rank_world(head_group)
-    if layout == "document_zigzag":
+    if layout in documents.LAYOUTS:
         check_divisible(x.shape[dim], world, layout, name=f"x.shape[{dim}]", head_world=head_world)
-        documents, rows = _document_rows(x, dim, cu_seqlens, layout)
-        return documents.part(x, rows, rank, world, dim, head_rank, head_world)
+        rows = _document_rows(x, dim, cu_seqlens, layout)
+        return documents.part(x, rows, rank, world, layout, dim, head_rank, head_world)
     return part(x, rank, world, layout, dim, head_rank, head_world)
 
 
 def unshard(x_local, dim=1, group=None, layout="zigzag", head_group=None, cu_seqlens=None):
     """The full sequence from every rank's part (all-gathers; differentiable). ``cu_seqlens``:
-    as for shard (layout "document_zigzag" only)."""
+    as for shard (the document layouts only)."""
     rank, world = group_rank_world(group)
     check_layout(layout)
     if head_group is not None and dist.get_world_size(head_group) > 1:
@@ -114,10 +115,10 @@ def unshard(x_local, dim=1, group=None, layout="zigzag", head_group=None, cu_seq
     if world == 1:
         return x_local
     parts = dist_fn.all_gather(x_local.contiguous(), group=group or dist.group.WORLD)
-    if layout == "document_zigzag":
+    if layout in documents.LAYOUTS:
         seq_len = x_local.shape[dim] * world
-        documents, rows = _document_rows(x_local.new_empty(x_local.shape[0], seq_len), 1, cu_seqlens, layout)
-        return documents.assemble(parts, rows, world, dim)
+        rows = _document_rows(x_local.new_empty(x_local.shape[0], seq_len), 1, cu_seqlens, layout)
+        return documents.assemble(parts, rows, world, layout, dim)
     per_rank = len(chunk_ids(0, world, layout))
     if x_local.shape[dim] % per_rank:
         raise ValueError(

@@ -5,6 +5,8 @@ held key rows it computes, and whether that part is causal (diagonal) or full.
 """
 from dataclasses import dataclass
 
+from ringfa4 import documents
+
 
 @dataclass(frozen=True)
 class Step:
@@ -20,7 +22,7 @@ def plan(rank, source, layout, causal, local_len):
         return Step(everything, everything, False)
     if source == rank:
         return Step(everything, everything, True)
-    if layout == "document_zigzag":  # documents' ids say what each row sees (ringfa4.ring.documents)
+    if layout in documents.LAYOUTS:  # documents' ids say what each row sees (ringfa4.ring.documents)
         return Step(everything, everything, False)
     if layout == "contiguous":
         return Step(everything, everything, False) if source < rank else None

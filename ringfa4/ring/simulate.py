@@ -24,24 +24,28 @@ from ringfa4.ring.layout import part
 
 class SimulatedRing:
     """Stand-in for comm.Ring: rank ``rank`` of ``world``, receiving copies of ``blocks[source]``
-    ([k, v] of every ring rank) in the order the real ring would deliver them."""
+    ([k, v] of every ring rank) in the order the real ring would deliver them to a call of
+    ``steps`` steps (default W; fewer with documents: RingDocuments.steps)."""
 
-    def __init__(self, rank, world, blocks, device, reverse=False, stream=None):
+    def __init__(self, rank, world, blocks, device, reverse=False, stream=None, steps=None):
         self.rank, self.world, self.blocks, self.device, self.reverse = rank, world, blocks, device, reverse
+        self.steps = world if steps is None else steps
         if stream is None and device.type == "cuda":
             stream = torch.cuda.Stream(device=device)
         self.stream = stream
         self._kv_received = 0
 
     def turned(self):
-        return SimulatedRing(self.rank, self.world, self.blocks, self.device, not self.reverse, self.stream)
+        return SimulatedRing(self.rank, self.world, self.blocks, self.device, not self.reverse, self.stream,
+                             self.steps)
 
     def _source(self):
         """The ring rank whose KV block the next receive carries: forward step i receives the block
-        of rank r - 1 - i; backward step j (which starts on the block of r + 1) that of r + 2 + j."""
+        of rank r - 1 - i; backward step j (which starts on the block of r - steps + 1) that of
+        r - steps + 2 + j."""
         n = self._kv_received
         self._kv_received += 1
-        return (self.rank + 2 + n if self.reverse else self.rank - 1 - n) % self.world
+        return (self.rank - self.steps + 2 + n if self.reverse else self.rank - 1 - n) % self.world
 
     def start(self, send, recv, tag=0, span=None):
         sources = self.blocks[self._source()] if tag == 0 else send

@@ -15,14 +15,14 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from ringfa4 import backends
+from ringfa4 import backends, documents
 from ringfa4.nn import ModelArgs
 from ringfa4.nn.model import ACTIVATION_CHECKPOINTING
 from ringfa4.ring.heads import check_split
 from ringfa4.ring.layout import required_multiple
 from ringfa4.train import checkpoint, metrics
 
-LAYOUT_MULTIPLE = {"zigzag": 2, "contiguous": 1, "document_zigzag": 2}
+LAYOUT_MULTIPLE = {"zigzag": 2, "contiguous": 1, "document_zigzag": 2, "document_balanced": 2}
 MIXED_PRECISION = {"bf16": torch.bfloat16, "fp32": None}
 DATA_KINDS = ("synthetic", "text", "tokens")
 DEVICES = ("auto", "cuda", "cpu")
@@ -137,8 +137,10 @@ class ParallelConfig:
     dp_shard: int = 1
     """data-parallel ranks; parameters are sharded over dp_shard * cp; -1: the rest of the world"""
     layout: str = "zigzag"
-    """zigzag (causal load balance, train.seq_len % (2 * cp) == 0), contiguous, or document_zigzag
-    (zigzag inside every document: balanced with packed documents; needs document masking)"""
+    """zigzag (causal load balance, train.seq_len % (2 * cp) == 0), contiguous, document_zigzag
+    (zigzag inside every document) or document_balanced (documents whole where they can be, the
+    work balanced over the ranks, the ring stopped after the farthest hop needed); the document
+    layouts need document masking"""
     backend: str = "auto"
     """attention kernels: auto, cute, fa4 or torch"""
     deterministic: bool = False
@@ -316,8 +318,8 @@ def resolve(job, world_size, dev_type):
     """Settings for ``job`` on ``world_size`` ranks of ``dev_type``; raises ConfigError."""
     par, train = job.parallel, job.train
     cp, dp_shard = _mesh_sizes(par, world_size)
-    if par.layout == "document_zigzag" and not job.data.masking:
-        raise ConfigError("parallel.layout=document_zigzag follows the documents: it needs data.document_masking")
+    if par.layout in documents.LAYOUTS and not job.data.masking:
+        raise ConfigError(f"parallel.layout={par.layout} follows the documents: it needs data.document_masking")
     _check_head_group(par.cp_heads, cp, job.model.args())
     multiple = required_multiple(cp // par.cp_heads, par.layout, par.cp_heads)
     if train.seq_len % multiple:
