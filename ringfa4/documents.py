@@ -21,13 +21,14 @@ Which rank holds a document changes no result (attention is per document), so th
 layouts place them for the ring's sake; each rank holds its positions in increasing order:
   - document_zigzag: every document cut into 2W pieces, rank r holding pieces r and 2W-1-r (the
     same causal work of every document on every rank, but every piece short);
-  - document_balanced: documents whole where they can be. Those whose causal work exceeds a
-    rank's even share, or that are longer than a rank's L/W tokens, are cut as document_zigzag
-    cuts them; the others go whole, largest first, to the rank with the least work that still has
-    room; what is left fills the ranks' remaining room in rank order, a document cut into
-    consecutive pieces on consecutive ranks. Every rank holds exactly L/W tokens, most documents
-    sit on one rank, and a ring needs only as many steps as the farthest piece it must reach
-    (ringfa4.ring.documents).
+  - document_balanced: documents whole where they can be, longest first, each on the rank with
+    the least causal work that has room for it; one with more work than that rank has left of an
+    even share in two consecutive pieces of equal work on two consecutive ranks; one that needs
+    more, or finds no room, cut as document_zigzag cuts it. The shortest documents (up to an
+    eighth of the tokens) then fill the room left, rank by rank, one cut at each rank's end and
+    continued on the next. Every rank holds exactly L/W tokens, most documents sit on one rank,
+    and a ring needs only as many steps as the farthest piece a rank must reach
+    (ringfa4.ring.documents); one folded document makes it W.
 """
 import math
 import zlib
@@ -133,7 +134,7 @@ def balanced_pieces(row, world):
     share = row[-1] // world
     docs = list(zip(row[:-1], row[1:]))
     target = sum(_pairs(b - a) for a, b in docs) / world
-    out, room, work, left = [], [share] * world, [0] * world, []
+    out, room, work = [], [share] * world, [0] * world
 
     def place(rank, d, a, b):
         first = docs[d][0]
@@ -141,35 +142,63 @@ def balanced_pieces(row, world):
         room[rank] -= b - a
         work[rank] += _pairs(b - first) - _pairs(a - first)
 
-    # Longer than two ranks' share: cut as document_zigzag cuts it, the same work on every rank.
-    long = {d for d, (a, b) in enumerate(docs) if b - a > 2 * share}
+    zigzag = {d: [] for d in range(len(docs))}
     for d, p, a, b in pieces(row, world):
-        if d in long:
-            place(min(p, 2 * world - 1 - p), d, a, b)
-    for d in sorted(set(range(len(docs))) - long, key=lambda d: docs[d][0] - docs[d][1]):  # longest first
+        zigzag[d].append((min(p, 2 * world - 1 - p), a, b))
+
+    def fold(d):
+        """Place document d as document_zigzag cuts it (the same work on every rank), if there is room."""
+        need = [0] * world
+        for r, a, b in zigzag[d]:
+            need[r] += b - a
+        if any(n > left for n, left in zip(need, room)):
+            return False
+        for r, a, b in zigzag[d]:
+            place(r, d, a, b)
+        return True
+
+    by_length = sorted(range(len(docs)), key=lambda d: docs[d][0] - docs[d][1])  # longest first
+    # The shortest documents, up to an eighth of the tokens, are kept to fill what room is left at
+    # the end.
+    kept, tokens = [], 0
+    while by_length and tokens + docs[by_length[-1]][1] - docs[by_length[-1]][0] <= row[-1] // 8:
+        kept.append(by_length.pop())
+        tokens += docs[kept[-1]][1] - docs[kept[-1]][0]
+    for d in by_length:
         a, b = docs[d]
-        # More work than a rank's even share: consecutive pieces of equal work (a prefix of x tokens
-        # holds x(x+1)/2 pairs) on as many consecutive ranks, each seeing the ones before it.
-        k = min(world, math.ceil(_pairs(b - a) / target))
+        # Whole on the least loaded rank with room; with more work than the least loaded rank has
+        # left of an even share, in consecutive pieces of equal work (a prefix of x tokens holds
+        # x(x+1)/2 pairs) on as many consecutive ranks, each seeing the ones before it (a hop each
+        # for the ring); more than two, or no room for them: folded over every rank.
+        k = min(world, math.ceil(_pairs(b - a) / max(1.0, target - min(work))))
         cuts = [a + round((b - a) * math.sqrt(j / k)) for j in range(k + 1)]
         windows = [r for r in range(world - k + 1)
-                   if all(room[r + j] >= cuts[j + 1] - cuts[j] for j in range(k))]
-        if not windows:
-            left.append(d)
-            continue
-        start = min(windows, key=lambda r: max(work[r:r + k]))
-        for j in range(k):
-            place(start + j, d, cuts[j], cuts[j + 1])
-    # What did not fit fills the ranks' remaining room in rank order, cut where a rank is full.
-    rank = 0
-    for d in sorted(left):
-        a, b = docs[d]
-        while a < b:
-            while room[rank] == 0:
-                rank += 1
+                   if all(room[r + j] >= cuts[j + 1] - cuts[j] for j in range(k))] if k <= 2 else []
+        if windows:
+            start = min(windows, key=lambda r: max(work[r:r + k]))
+            for j in range(k):
+                place(start + j, d, cuts[j], cuts[j + 1])
+        elif not fold(d):
+            kept.append(d)
+    # The rest fills the ranks in rank order: on each, the longest that fit whole, then the longest
+    # cut at the rank's end and continued on the next (one hop for the ring).
+    kept.sort(key=lambda d: docs[d][0] - docs[d][1])
+    carried = []
+    for rank in range(world):
+        for d, a in [carried.pop() for _ in range(len(carried))]:
+            n = min(room[rank], docs[d][1] - a)
+            place(rank, d, a, a + n)
+            if a + n < docs[d][1]:
+                carried.append((d, a + n))
+        while room[rank] > 0 and kept:
+            fits = [d for d in kept if docs[d][1] - docs[d][0] <= room[rank]]
+            d = fits[0] if fits else kept[0]
+            kept.remove(d)
+            a, b = docs[d]
             n = min(room[rank], b - a)
             place(rank, d, a, a + n)
-            a += n
+            if a + n < b:
+                carried.append((d, a + n))
     return out
 
 
