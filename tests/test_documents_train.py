@@ -28,7 +28,8 @@ def _step(job, rank, world, local_rank):
         return loss.item(), batch[3], {n: p.grad.full_tensor() for n, p in run.model.named_parameters()}
 
 
-@pytest.mark.parametrize("layout,rope", [("zigzag", "continue"), ("document_zigzag", "restart")])
+@pytest.mark.parametrize("layout,rope", [("zigzag", "continue"), ("document_zigzag", "restart"),
+                                         ("document_balanced", "continue")])
 def test_cp2_step_with_document_masking_equals_one_process(layout, rope):
     overrides = (f"parallel.layout={layout}", f"data.rope_positions={rope}")
     ref_loss, cu, ref_grads = launch.spawn(_step, 1, _job("parallel.cp=1", *overrides))
