@@ -27,7 +27,7 @@ ROWS = [[0, 1, 700, 701, 1024, 2048, 3000, 4095, SEQ], [0, 5, SEQ - 5, SEQ]]
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
-@pytest.mark.parametrize("layout", ["zigzag", "document_zigzag"])
+@pytest.mark.parametrize("layout", ["zigzag", "document_zigzag", "document_balanced"])
 def test_ring_with_documents_over_nccl_matches_fp64(world, backend, layout):
     gen = torch.Generator(device="cuda").manual_seed(1234)
     q, k, v, dout = (torch.randn(2, SEQ, n, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
