@@ -38,32 +38,28 @@ def test_attention_with_one_document_is_dense_attention_bit_for_bit():
     assert all(torch.equal(a, b) for a, b in zip(dense, one))
 
 
-def test_document_zigzag_gives_every_rank_both_pieces_of_every_document_and_equal_lengths():
-    rng = random.Random(2)
-    for _ in range(200):
+def _random_rows(rng, count=200):
+    for _ in range(count):
         world = rng.choice([2, 3, 4, 8])
         seq = 2 * world * rng.randrange(1, 12)
-        row = sorted({0, seq, *rng.sample(range(1, seq), min(seq - 1, rng.randrange(0, 9)))})
-        held = [documents.held_positions([row], r, world, documents.DOCUMENT_ZIGZAG)[0] for r in range(world)]
-        assert all(len(h) == seq // world for h in held), (row, world)
-        assert sorted(torch.cat(held).tolist()) == list(range(seq)), (row, world)
-        for pieces in [documents.pieces(row, world)]:
-            sizes = {}
-            for d, p, a, b in pieces:
-                sizes.setdefault(d, []).append(b - a)
-            assert all(max(s) - min(s) <= 1 for s in sizes.values()), (row, world)  # every document cut evenly
+        yield world, sorted({0, seq, *rng.sample(range(1, seq), min(seq - 1, rng.randrange(0, 9)))})
 
 
-def test_document_balanced_gives_every_rank_its_share_in_increasing_positions():
-    rng = random.Random(3)
-    for _ in range(200):
-        world = rng.choice([2, 3, 4, 8])
-        seq = 2 * world * rng.randrange(1, 12)
-        row = sorted({0, seq, *rng.sample(range(1, seq), min(seq - 1, rng.randrange(0, 9)))})
-        held = [documents.held_positions([row], r, world, documents.DOCUMENT_BALANCED)[0] for r in range(world)]
-        assert all(len(h) == seq // world for h in held), (row, world)
+@pytest.mark.parametrize("layout", documents.LAYOUTS)
+def test_document_layouts_give_every_rank_its_share_in_increasing_positions(layout):
+    for world, row in _random_rows(random.Random(2)):
+        held = [documents.held_positions([row], r, world, layout)[0] for r in range(world)]
+        assert all(len(h) == row[-1] // world for h in held), (row, world)
         assert all(bool((h[1:] > h[:-1]).all()) for h in held), (row, world)
-        assert sorted(torch.cat(held).tolist()) == list(range(seq)), (row, world)
+        assert sorted(torch.cat(held).tolist()) == list(range(row[-1])), (row, world)
+
+
+def test_document_zigzag_cuts_every_document_evenly():
+    for world, row in _random_rows(random.Random(3)):
+        sizes = {}
+        for d, p, a, b in documents.pieces(row, world):
+            sizes.setdefault(d, []).append(b - a)
+        assert all(max(s) - min(s) <= 1 for s in sizes.values()), (row, world)
 
 
 def test_a_ring_over_documents_that_stay_whole_on_their_ranks_takes_one_step():
