@@ -21,14 +21,14 @@ Which rank holds a document changes no result (attention is per document), so th
 layouts place them for the ring's sake; each rank holds its positions in increasing order:
   - document_zigzag: every document cut into 2W pieces, rank r holding pieces r and 2W-1-r (the
     same causal work of every document on every rank, but every piece short);
-  - document_balanced: documents whole where they can be, longest first, each on the rank with
-    the least causal work that has room for it; one with more work than that rank has left of an
-    even share in two consecutive pieces of equal work on two consecutive ranks; one that needs
-    more, or finds no room, cut as document_zigzag cuts it. The shortest documents (up to an
-    eighth of the tokens) then fill the room left, rank by rank, one cut at each rank's end and
-    continued on the next. Every rank holds exactly L/W tokens, most documents sit on one rank,
-    and a ring needs only as many steps as the farthest piece a rank must reach
-    (ringfa4.ring.documents); one folded document makes it W.
+  - document_balanced: documents whole where they can be, longest first, each on the least
+    loaded rank that has room and work to spare; one with more work than that in consecutive
+    pieces of equal work on consecutive ranks (at most W/2 of them); one that needs more, or finds
+    no room, cut as document_zigzag cuts it. The shortest documents (up to an eighth of the
+    tokens) then fill the room left, rank by rank, one cut at each rank's end and continued on the
+    next. Every rank holds exactly L/W tokens, most documents sit on one rank, and a ring needs
+    only as many steps as the farthest piece a rank must reach (ringfa4.ring.documents); one
+    folded document makes it W.
 """
 import math
 import zlib
@@ -128,78 +128,106 @@ def _pairs(n):
     return n * (n + 1) // 2
 
 
+class _Packing:
+    """document_balanced's placement of one row's documents: each rank's room (tokens) and causal
+    work so far, and the pieces placed."""
+
+    def __init__(self, row, world):
+        self.world, self.share = world, row[-1] // world
+        self.docs = list(zip(row[:-1], row[1:]))
+        self.target = sum(_pairs(b - a) for a, b in self.docs) / world  # an even share of the work
+        self.room, self.work, self.out = [self.share] * world, [0] * world, []
+        self.span = max(2, world // 2)  # the most consecutive ranks one document takes: hops for the ring
+        self.folds = {d: [] for d in range(len(self.docs))}
+        for d, p, a, b in pieces(row, world):
+            self.folds[d].append((min(p, 2 * world - 1 - p), a, b))
+
+    def length(self, d):
+        return self.docs[d][1] - self.docs[d][0]
+
+    def place(self, rank, d, a, b):
+        first = self.docs[d][0]
+        self.out.append((rank, a, b))
+        self.room[rank] -= b - a
+        self.work[rank] += _pairs(b - first) - _pairs(a - first)
+
+    def fold(self, d):
+        """Document d cut as document_zigzag cuts it (the same work on every rank), if there is room."""
+        need = [0] * self.world
+        for r, a, b in self.folds[d]:
+            need[r] += b - a
+        if any(n > left for n, left in zip(need, self.room)):
+            return False
+        for r, a, b in self.folds[d]:
+            self.place(r, d, a, b)
+        return True
+
+    def parts(self, d):
+        """Consecutive pieces of equal work document d takes: each adds at most three quarters of
+        what the least loaded rank has left of an even share (the rest is for the documents still
+        to come), the first (the longest) at most half a rank's tokens (room for others' pieces)."""
+        by_work = math.ceil(_pairs(self.length(d)) / max(1.0, 0.75 * (self.target - min(self.work))))
+        return min(self.world, max(by_work, math.ceil((2 * self.length(d) / self.share) ** 2)))
+
+    def consecutive(self, d):
+        """Document d whole where a rank has room and work to spare, else in parts(d) pieces on the
+        least loaded consecutive ranks with room, each seeing the pieces before it (a prefix of x
+        tokens holds x(x+1)/2 pairs); False where no ranks can take it so."""
+        a, b = self.docs[d]
+        fits = any(r >= b - a and w + _pairs(b - a) <= self.target for r, w in zip(self.room, self.work))
+        k = 1 if fits else self.parts(d)
+        if k > self.span:
+            return False
+        cuts = [a + round((b - a) * math.sqrt(j / k)) for j in range(k + 1)]
+        windows = [r for r in range(self.world - k + 1)
+                   if all(self.room[r + j] >= cuts[j + 1] - cuts[j]
+                          and self.work[r + j] + _pairs(b - a) / k <= self.target for j in range(k))]
+        if not windows:
+            return False
+        start = min(windows, key=lambda r: max(self.work[r:r + k]))
+        for j in range(k):
+            self.place(start + j, d, cuts[j], cuts[j + 1])
+        return True
+
+    def fill(self, kept):
+        """The room left, rank by rank, from ``kept``: documents that fit whole (under the target
+        the longest, over it the shortest), then the longest cut at the rank's end and continued
+        on the next (one hop for the ring)."""
+        kept = sorted(kept, key=lambda d: -self.length(d))
+        carried = []
+        for rank in range(self.world):
+            for d, a in [carried.pop() for _ in range(len(carried))]:
+                n = min(self.room[rank], self.docs[d][1] - a)
+                self.place(rank, d, a, a + n)
+                if a + n < self.docs[d][1]:
+                    carried.append((d, a + n))
+            while self.room[rank] > 0 and kept:
+                fits = [d for d in kept if self.length(d) <= self.room[rank]]
+                d = (fits[0] if self.work[rank] < self.target else fits[-1]) if fits else kept[0]
+                kept.remove(d)
+                a, b = self.docs[d]
+                n = min(self.room[rank], b - a)
+                self.place(rank, d, a, a + n)
+                if a + n < b:
+                    carried.append((d, a + n))
+
+
 def balanced_pieces(row, world):
     """document_balanced: the pieces of ``row`` as (rank, start, stop), every rank's summing to
     row[-1] / world tokens (see the module docstring)."""
-    share = row[-1] // world
-    docs = list(zip(row[:-1], row[1:]))
-    target = sum(_pairs(b - a) for a, b in docs) / world
-    out, room, work = [], [share] * world, [0] * world
-
-    def place(rank, d, a, b):
-        first = docs[d][0]
-        out.append((rank, a, b))
-        room[rank] -= b - a
-        work[rank] += _pairs(b - first) - _pairs(a - first)
-
-    zigzag = {d: [] for d in range(len(docs))}
-    for d, p, a, b in pieces(row, world):
-        zigzag[d].append((min(p, 2 * world - 1 - p), a, b))
-
-    def fold(d):
-        """Place document d as document_zigzag cuts it (the same work on every rank), if there is room."""
-        need = [0] * world
-        for r, a, b in zigzag[d]:
-            need[r] += b - a
-        if any(n > left for n, left in zip(need, room)):
-            return False
-        for r, a, b in zigzag[d]:
-            place(r, d, a, b)
-        return True
-
-    by_length = sorted(range(len(docs)), key=lambda d: docs[d][0] - docs[d][1])  # longest first
-    # The shortest documents, up to an eighth of the tokens, are kept to fill what room is left at
-    # the end.
-    kept, tokens = [], 0
-    while by_length and tokens + docs[by_length[-1]][1] - docs[by_length[-1]][0] <= row[-1] // 8:
-        kept.append(by_length.pop())
-        tokens += docs[kept[-1]][1] - docs[kept[-1]][0]
-    for d in by_length:
-        a, b = docs[d]
-        # Whole on the least loaded rank with room; with more work than the least loaded rank has
-        # left of an even share, in consecutive pieces of equal work (a prefix of x tokens holds
-        # x(x+1)/2 pairs) on as many consecutive ranks, each seeing the ones before it (a hop each
-        # for the ring); more than two, or no room for them: folded over every rank.
-        k = min(world, math.ceil(_pairs(b - a) / max(1.0, target - min(work))))
-        cuts = [a + round((b - a) * math.sqrt(j / k)) for j in range(k + 1)]
-        windows = [r for r in range(world - k + 1)
-                   if all(room[r + j] >= cuts[j + 1] - cuts[j] for j in range(k))] if k <= 2 else []
-        if windows:
-            start = min(windows, key=lambda r: max(work[r:r + k]))
-            for j in range(k):
-                place(start + j, d, cuts[j], cuts[j + 1])
-        elif not fold(d):
+    pack = _Packing(row, world)
+    longest = sorted(range(len(pack.docs)), key=lambda d: -pack.length(d))
+    # Documents needing more ranks than a span fold first, while every rank has room for them.
+    longest = [d for d in longest if not (pack.parts(d) > pack.span and pack.fold(d))]
+    # The shortest, up to an eighth of the tokens, are kept to fill the room left at the end.
+    kept = []
+    while longest and sum(map(pack.length, kept)) + pack.length(longest[-1]) <= row[-1] // 8:
+        kept.append(longest.pop())
+    for d in longest:
+        if not (pack.consecutive(d) or pack.fold(d)):
             kept.append(d)
-    # The rest fills the ranks in rank order: on each, the longest that fit whole, then the longest
-    # cut at the rank's end and continued on the next (one hop for the ring).
-    kept.sort(key=lambda d: docs[d][0] - docs[d][1])
-    carried = []
-    for rank in range(world):
-        for d, a in [carried.pop() for _ in range(len(carried))]:
-            n = min(room[rank], docs[d][1] - a)
-            place(rank, d, a, a + n)
-            if a + n < docs[d][1]:
-                carried.append((d, a + n))
-        while room[rank] > 0 and kept:
-            fits = [d for d in kept if docs[d][1] - docs[d][0] <= room[rank]]
-            d = fits[0] if fits else kept[0]
-            kept.remove(d)
-            a, b = docs[d]
-            n = min(room[rank], b - a)
-            place(rank, d, a, a + n)
-            if a + n < b:
-                carried.append((d, a + n))
-    return out
+    pack.fill(kept)
+    return pack.out
 
 
 def held_positions(rows, rank, world, layout):
