@@ -25,7 +25,7 @@ def sampler(*overrides, seq_len=64, vocab_size=256):
     (["parallel.cp=3", "parallel.dp_shard=-1"], 4, "world size 4 is not a multiple of parallel.cp=3"),
     (["parallel.cp=-1", "parallel.dp_shard=-1"], 2, "at most one of parallel.cp and parallel.dp_shard"),
     (["parallel.cp=1", "parallel.dp_shard=-1", "train.global_batch=3"], 2, "train.global_batch=3 must be a multiple of parallel.dp_shard=2"),
-    (["parallel.layout=striped"], 2, "parallel.layout must be one of zigzag, contiguous, document_zigzag; got 'striped'"),
+    (["parallel.layout=striped"], 2, "parallel.layout must be one of zigzag, contiguous, document_zigzag, document_balanced; got 'striped'"),
     (["parallel.backend=magic"], 2, "parallel.backend must be one of auto, "),
     (["train.mixed_precision=fp8"], 2, "train.mixed_precision must be one of auto, bf16, fp32; got 'fp8'"),
     (["train.resume=true"], 2, "train.resume=true needs train.checkpoint_dir"),
