@@ -30,6 +30,7 @@ layouts place them for the ring's sake; each rank holds its positions in increas
     only as many steps as the farthest piece a rank must reach (ringfa4.ring.documents); one
     folded document makes it W.
 """
+import functools
 import math
 import zlib
 
@@ -215,6 +216,12 @@ class _Packing:
 def balanced_pieces(row, world):
     """document_balanced: the pieces of ``row`` as (rank, start, stop), every rank's summing to
     row[-1] / world tokens (see the module docstring)."""
+    return _balanced_pieces(tuple(row), world)
+
+
+@functools.lru_cache(maxsize=64)
+def _balanced_pieces(row, world):
+    """balanced_pieces, once per row: every rank's positions come from the same placement."""
     pack = _Packing(row, world)
     longest = sorted(range(len(pack.docs)), key=lambda d: -pack.length(d))
     # Documents needing more ranks than a span fold first, while every rank has room for them.
@@ -227,7 +234,7 @@ def balanced_pieces(row, world):
         if not (pack.consecutive(d) or pack.fold(d)):
             kept.append(d)
     pack.fill(kept)
-    return pack.out
+    return tuple(pack.out)
 
 
 def held_positions(rows, rank, world, layout):
