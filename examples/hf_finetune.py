@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from ringfa4 import documents, flops, hf
 from ringfa4.nn import build_mesh
+from ringfa4.ring.layout import LAYOUTS
 from ringfa4.nn.parallel import CP, DP_SHARD
 from ringfa4.train import checkpoint, data, launch, metrics
 
@@ -52,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--global-batch", type=int, default=4, help="sequences per step over all data-parallel ranks")
     p.add_argument("--cp", type=int, default=None, help="ranks per ring (default: all); dp_shard = world / cp")
-    p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous") + documents.LAYOUTS,
+    p.add_argument("--layout", default="zigzag", choices=LAYOUTS,
                    help="how a sequence is cut over the ring; the document layouts follow the documents "
                         "(--packed-documents)")
     p.add_argument("--packed-documents", action="store_true",

@@ -124,6 +124,11 @@ def pieces(row, world):
     return out
 
 
+def zigzag_rank(piece, world):
+    """The rank that holds piece ``piece`` of 2W (zigzag: rank r holds pieces r and 2W-1-r)."""
+    return min(piece, 2 * world - 1 - piece)
+
+
 def _pairs(n):
     """Causal (query, key) pairs of the first n tokens of a document."""
     return n * (n + 1) // 2
@@ -141,7 +146,7 @@ class _Packing:
         self.span = max(2, world // 2)  # the most consecutive ranks one document takes: hops for the ring
         self.folds = {d: [] for d in range(len(self.docs))}
         for d, p, a, b in pieces(row, world):
-            self.folds[d].append((min(p, 2 * world - 1 - p), a, b))
+            self.folds[d].append((zigzag_rank(p, world), a, b))
 
     def length(self, d):
         return self.docs[d][1] - self.docs[d][0]
@@ -196,21 +201,22 @@ class _Packing:
         on the next (one hop for the ring)."""
         kept = sorted(kept, key=lambda d: -self.length(d))
         carried = []
+
+        def take(rank, d, a):
+            """As much of document d from token a on as fits the rank; the rest to the next."""
+            stop = a + min(self.room[rank], self.docs[d][1] - a)
+            self.place(rank, d, a, stop)
+            if stop < self.docs[d][1]:
+                carried.append((d, stop))
+
         for rank in range(self.world):
             for d, a in [carried.pop() for _ in range(len(carried))]:
-                n = min(self.room[rank], self.docs[d][1] - a)
-                self.place(rank, d, a, a + n)
-                if a + n < self.docs[d][1]:
-                    carried.append((d, a + n))
+                take(rank, d, a)
             while self.room[rank] > 0 and kept:
                 fits = [d for d in kept if self.length(d) <= self.room[rank]]
                 d = (fits[0] if self.work[rank] < self.target else fits[-1]) if fits else kept[0]
                 kept.remove(d)
-                a, b = self.docs[d]
-                n = min(self.room[rank], b - a)
-                self.place(rank, d, a, a + n)
-                if a + n < b:
-                    carried.append((d, a + n))
+                take(rank, d, self.docs[d][0])
 
 
 def balanced_pieces(row, world):
@@ -241,8 +247,7 @@ def held_positions(rows, rank, world, layout):
     """(b, L) int64, the global positions ring rank ``rank`` of ``world`` holds under a document
     layout, in increasing order (ringfa4.ring.documents.positions: any layout)."""
     if layout == DOCUMENT_ZIGZAG:
-        held = (rank, 2 * world - 1 - rank)
-        ranges = [[(a, b) for _, p, a, b in pieces(row, world) if p in held] for row in rows]
+        ranges = [[(a, b) for _, p, a, b in pieces(row, world) if zigzag_rank(p, world) == rank] for row in rows]
     else:
         ranges = [sorted((a, b) for r, a, b in balanced_pieces(row, world) if r == rank) for row in rows]
     return torch.stack([torch.cat([torch.arange(a, b) for a, b in row]) for row in ranges])

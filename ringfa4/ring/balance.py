@@ -13,6 +13,7 @@ import numpy as np
 
 from ringfa4 import documents, flops
 from ringfa4.ring.documents import RingDocuments, positions
+from ringfa4.ring.layout import LAYOUTS
 
 MIX_MEDIAN, MIX_SIGMA, MIX_MIN = 4096, 1.0, 16
 LONG_MIN = 65536
@@ -54,7 +55,6 @@ def imbalance(row, world, layout, causal=True):
 
 
 MIXES = (("log-normal", 0), ("log-normal + 3 long", 3))
-LAYOUTS = ("zigzag", "contiguous") + documents.LAYOUTS
 
 
 def ring_steps(row, world, layout, causal=True):

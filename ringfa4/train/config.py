@@ -19,10 +19,9 @@ from ringfa4 import backends, documents
 from ringfa4.nn import ModelArgs
 from ringfa4.nn.model import ACTIVATION_CHECKPOINTING
 from ringfa4.ring.heads import check_split
-from ringfa4.ring.layout import required_multiple
+from ringfa4.ring.layout import LAYOUTS, required_multiple
 from ringfa4.train import checkpoint, metrics
 
-LAYOUT_MULTIPLE = {"zigzag": 2, "contiguous": 1, "document_zigzag": 2, "document_balanced": 2}
 MIXED_PRECISION = {"bf16": torch.bfloat16, "fp32": None}
 DATA_KINDS = ("synthetic", "text", "tokens")
 DEVICES = ("auto", "cuda", "cpu")
@@ -158,7 +157,7 @@ class ParallelConfig:
         _positive_int(self.dp_shard, "parallel.dp_shard", allow_auto=True)
         if self.cp == -1 and self.dp_shard == -1:
             raise ConfigError("at most one of parallel.cp and parallel.dp_shard may be -1")
-        _one_of(self.layout, tuple(LAYOUT_MULTIPLE), "parallel.layout")
+        _one_of(self.layout, LAYOUTS, "parallel.layout")
         _one_of(self.backend, ("auto",) + backends.NAMES, "parallel.backend")
 
 
