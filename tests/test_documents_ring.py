@@ -10,7 +10,8 @@ import ringfa4
 import ringfa4.backends.torch_ref as torch_ref
 from distributed import run
 from ringfa4 import documents
-from ringfa4.ring.documents import counting
+from ringfa4.ring.documents import RingDocuments, counting
+from ringfa4.ring.schedule import ROW_ALIGN, plan
 
 TOL = 1e-9
 LAYOUTS = ("zigzag", "contiguous") + documents.LAYOUTS
@@ -140,3 +141,78 @@ def _check_skips(rank, world, seed):
 
 def test_steps_without_a_shared_document_launch_nothing_and_the_ring_stops_after_the_farthest_hop():
     run(_check_skips, 3, random.randrange(2**31))
+
+
+def _long_block_cases(world, rng):
+    """(layout, causal, cu_seqlens) over blocks of 640 rows per rank (5 x ROW_ALIGN; zigzag's
+    halves of 320 are not a multiple of it): a few random documents, so that steps share a few."""
+    seq = 640 * world
+    cu = sorted({0, seq, *rng.sample(range(1, seq), 2 * world)})
+    return [(layout, causal, cu) for layout in LAYOUTS for causal in (False, True)]
+
+
+def _check_long_blocks(rank, world, seed):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    for layout, causal, row in _long_block_cases(world, rng):
+        cu = torch.tensor(row, dtype=torch.int32)
+        seq = row[-1]
+        q, k, v, dout = (torch.randn(1, seq, n, 8, dtype=torch.float64, generator=gen) for n in (2, 1, 1, 2))
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = document_attention_fp64(*full, [row], causal)
+        ref = (ref_out, ref_lse, *torch.autograd.grad(ref_out, full, dout))
+
+        def sharded(t, dim=1):
+            return ringfa4.shard(t, dim=dim, layout=layout, cu_seqlens=cu)
+
+        local = [sharded(t).requires_grad_() for t in (q, k, v)]
+        got = _run_ring(local, layout, causal, None, cu, sharded(dout))
+        for what, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
+            err = (g - sharded(r, dim=2 if what == "lse" else 1)).abs().max().item()
+            assert err < TOL, f"rank {rank}: {what} error {err:.3g} (W={world} {layout} causal={causal} cu={row})"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_with_documents_over_blocks_longer_than_a_row_run_is_exact(world):
+    run(_check_long_blocks, world, random.randrange(2**31))
+
+
+def _run_covers(run, whole, sees, length, align):
+    """Whether the rows ``run`` of a step's rows ``whole`` hold every row that ``sees`` (a mask over
+    ``whole``), start and end on one that sees (or, ``align``, on a multiple of ROW_ALIGN or the
+    step's own edge) and lie inside ``whole``; and whether they are fewer."""
+    w0, w1, _ = whole.indices(length)
+    r0, r1, _ = run.indices(length)
+    rows = torch.arange(w0, w1)
+    seen = rows[sees]
+    if align:
+        edges = (r0 in (w0,) or r0 % ROW_ALIGN == 0) and (r1 in (w1,) or r1 % ROW_ALIGN == 0)
+    else:
+        edges = r0 == seen[0] and r1 == seen[-1] + 1
+    ok = w0 <= r0 < r1 <= w1 and edges and r0 <= seen[0] and seen[-1] < r1
+    return ok, r1 - r0 < w1 - w0
+
+
+def test_a_step_runs_over_the_rows_that_share_documents_only():
+    rng = random.Random(0)
+    narrower = 0
+    for world in (2, 3, 4):
+        for layout, causal, row in _long_block_cases(world, rng):
+            local_len = row[-1] // world
+            for rank in range(world):
+                docs = RingDocuments([row], rank, world, layout, row[-1], torch.device("cpu"))
+                for source in range(world):
+                    whole = plan(rank, source, layout, causal, local_len)
+                    step, ids = docs.step(whole, source, causal, "fwd", [])
+                    if step is None or source == rank:
+                        continue
+                    q_ids, k_ids = docs._ids_for(source, causal)[:2]  # ids of the whole blocks
+                    assert torch.equal(ids[0], q_ids[:, step.q]) and torch.equal(ids[1], k_ids[:, step.kv])
+                    case = (world, layout, causal, rank, source, row)
+                    q_ok, q_fewer = _run_covers(step.q, whole.q, torch.isin(q_ids[0, whole.q], k_ids[0, whole.kv]),
+                                                local_len, align=True)
+                    k_ok, k_fewer = _run_covers(step.kv, whole.kv, torch.isin(k_ids[0, whole.kv], q_ids[0, whole.q]),
+                                                local_len, align=False)
+                    assert q_ok and k_ok, case
+                    narrower += q_fewer and k_fewer
+    assert narrower > 0, "no step was narrowed: the cases do not test it"

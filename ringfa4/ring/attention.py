@@ -94,7 +94,8 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
     targets = [_empty_like(kv) for _ in range(min(2, steps - 2))]
     kv_saved = max(0, world - 2) - max(0, steps - 2)
     count_saved("bwd", kv_saved + world - steps, (kv_saved + world - steps) * _nbytes(kv))
-    queries = backend.query_state(dout, q, out, lse, softmax_scale, row_chunk(layout, causal, q.shape[1]))
+    chunk = row_chunk(layout, causal, q.shape[1], narrowed=docs is not None)
+    queries = backend.query_state(dout, q, out, lse, softmax_scale, chunk)
     dkv = inbox = None
     dkv_works = []
     for j in range(steps):

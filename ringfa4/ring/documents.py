@@ -19,16 +19,23 @@ key pieces no query piece sees 4d + 1, or its query pieces that see no key piece
 match nothing and keep the ids nondecreasing. (document_zigzag: from an earlier rank both local
 pieces see the block's first piece and not its second; from a later one only the local second
 piece sees, and it sees both.)
+
+A step that runs is narrowed to the rows that can see anything: ids are nondecreasing, so the
+shared documents fill one run of query rows and one of key rows, and the call, its merge and its
+dK/dV add cover those runs only, not the whole block (most of a step's rows see nothing when a
+rank holds many documents). Query runs are widened to multiples of ROW_ALIGN, where the backward's
+dQ state wants them to start (ringfa4.ring.schedule.row_chunk).
 """
 import contextlib
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from ringfa4 import documents
 from ringfa4.ring.layout import chunk_ids, num_chunks
+from ringfa4.ring.schedule import ROW_ALIGN
 
 
 @dataclass
@@ -133,7 +140,8 @@ class RingDocuments:
         self._spans = [_spans(i, p) for i, p in zip(self._ids, pos)]
         self._piece = [_pieces(p) for p in pos]
         self._local = self._ids[rank].to(device)
-        self._step_ids, self._steps = {}, {}
+        self._len = pos[rank].shape[1]
+        self._step_ids, self._step_rows, self._steps = {}, {}, {}
 
     @property
     def local(self):
@@ -170,17 +178,49 @@ class RingDocuments:
             self._step_ids[key] = (q, k, q.to(self.device), k.to(self.device))
         return self._step_ids[key]
 
+    def _narrowed(self, step, source, causal):
+        """``step`` cut to the query and key rows of the documents both sides hold; None when they
+        share none. The local step keeps every row (its result starts the ring's sums) and so does a
+        causal one (its queries and keys must stay aligned row for row)."""
+        key = (source, causal)
+        if key not in self._step_rows:
+            q, k = (t.numpy() for t in self._ids_for(source, causal)[:2])
+            q, k = q[:, step.q], k[:, step.kv]
+            shared = [np.intersect1d(qr, kr) for qr, kr in zip(q, k)]
+            if not any(s.size for s in shared):
+                self._step_rows[key] = None
+            elif source == self.rank or step.causal:
+                self._step_rows[key] = step
+            else:
+                (qa, qb), (ka, kb) = _run(q, shared), _run(k, shared)
+                q0, q1, _ = step.q.indices(self._len)
+                k0 = step.kv.indices(self._len)[0]
+                first = max(q0, (q0 + qa) // ROW_ALIGN * ROW_ALIGN)
+                stop = min(q1, -(-(q0 + qb) // ROW_ALIGN) * ROW_ALIGN)
+                self._step_rows[key] = replace(step, q=slice(first, stop), kv=slice(k0 + ka, k0 + kb))
+        return self._step_rows[key]
+
     def step(self, step, source, causal, phase, kv):
-        """(step, doc_ids) for the backend, or (None, None) when the step shares no document
-        (counted as skipped, with the bytes of the ``kv`` rows it would have read)."""
+        """(step, doc_ids) for the backend, the step narrowed to the rows that share documents, or
+        (None, None) when none do (counted as skipped, with the bytes of the ``kv`` rows it would have
+        read)."""
         if step is None:
             return None, None
-        q, k, q_dev, k_dev = self._ids_for(source, causal)
-        if not any(np.intersect1d(qr, kr).size for qr, kr in zip(q[:, step.q].numpy(), k[:, step.kv].numpy())):
+        narrowed = self._narrowed(step, source, causal)
+        if narrowed is None:
             _count(phase, True, sum(t[:, step.kv].numel() * t.element_size() for t in kv))
             return None, None
         _count(phase, False)
-        return step, (q_dev[:, step.q], k_dev[:, step.kv])
+        q_dev, k_dev = self._ids_for(source, causal)[2:]
+        return narrowed, (q_dev[:, narrowed.q], k_dev[:, narrowed.kv])
+
+
+def _run(ids, shared):
+    """[first, last + 1) of the rows, over all batch rows, whose ids lie in the shared range (ids
+    nondecreasing per row)."""
+    runs = [(np.searchsorted(row, s[0], "left"), np.searchsorted(row, s[-1], "right"))
+            for row, s in zip(ids, shared) if s.size]
+    return min(a for a, _ in runs), max(b for _, b in runs)
 
 
 def ring_documents(rows, rank, world, layout, seq_len, device):

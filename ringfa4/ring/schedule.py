@@ -3,9 +3,14 @@
 At step i rank r holds the KV block of rank (r - i) mod W. A step is the local query rows and the
 held key rows it computes, and whether that part is causal (diagonal) or full.
 """
+import math
 from dataclasses import dataclass
 
 from ringfa4 import documents
+
+# With documents a step's query rows start on a multiple of this (ringfa4.ring.documents narrows
+# them): a multiple of every backend's dQ tile (cute: 64 or 128 rows).
+ROW_ALIGN = 128
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,8 @@ def plan(rank, source, layout, causal, local_len):
     return Step(slice(half, local_len), everything, False)
 
 
-def row_chunk(layout, causal, local_len):
-    """Every step's query rows start on a multiple of this and end on one or at local_len."""
-    return local_len // 2 if causal and layout == "zigzag" else local_len
+def row_chunk(layout, causal, local_len, narrowed=False):
+    """Every step's query rows start on a multiple of this and end on one or at local_len;
+    ``narrowed``: steps cut to their documents' rows (which cannot cut a block of ROW_ALIGN rows or fewer)."""
+    chunk = local_len // 2 if causal and layout == "zigzag" else local_len
+    return math.gcd(chunk, ROW_ALIGN) if narrowed and local_len > ROW_ALIGN else chunk
