@@ -106,6 +106,14 @@ def _document_ids(lengths):
                                    torch.tensor(lengths))[None]
 
 
+def _some_missing(lengths, gen):
+    """Document lengths with about half the documents (never all) left out: on a ring step each
+    side holds documents the other does not."""
+    kept = torch.rand(len(lengths), generator=gen) < 0.5
+    kept[int(torch.randint(0, len(lengths), (), generator=gen))] = True
+    return torch.where(kept, lengths, 0)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_backward_document_ranges_cover_every_visible_pair_and_order_each_tile(causal, head_dim):
@@ -122,10 +130,11 @@ def test_backward_document_ranges_cover_every_visible_pair_and_order_each_tile(c
         sq = int(torch.randint(1, 600, (), generator=gen))
         sk = sq if causal else int(torch.randint(1, 600, (), generator=gen))
         docs = int(torch.randint(1, 40, (), generator=gen))
-        q_len = torch.bincount(torch.randint(0, docs, (sq,), generator=gen), minlength=docs)
-        k_len = q_len if causal else torch.bincount(torch.randint(0, docs, (sk,), generator=gen),
-                                                    minlength=docs)
+        q_len, k_len = (torch.bincount(torch.randint(0, docs, (n,), generator=gen), minlength=docs) for n in (sq, sk))
+        if not causal:
+            q_len, k_len = _some_missing(q_len, gen), _some_missing(k_len, gen)
         q_ids, k_ids = _document_ids(q_len.tolist()), _document_ids(k_len.tolist())
+        sq, sk = q_ids.shape[1], k_ids.shape[1]
         seen = q_ids[0, :, None] == k_ids[0, None, :]
         if causal:
             seen &= torch.ones(sq, sk, dtype=torch.bool).tril()
@@ -138,6 +147,41 @@ def test_backward_document_ranges_cover_every_visible_pair_and_order_each_tile(c
         for m, (first, last) in enumerate(key_blocks):
             visiting = [n for n, (a, e) in enumerate(query_blocks) if a <= m < e]
             assert visiting == list(range(first, last + 1)), m
+        # A block visits no query tile beyond its keys' documents (keys of documents the queries
+        # do not hold do not widen it).
+        same_doc = q_ids[0, :, None] == k_ids[0, None, :]
+        for n, (first, end) in enumerate(query_blocks):
+            rows = same_doc[:, n * tile_n:(n + 1) * tile_n].any(1).nonzero()
+            if len(rows) and first < end:
+                assert rows.min() // tile_m <= first and end <= rows.max() // tile_m + 1, (n, first, end)
+
+
+@pytest.mark.parametrize("tile_m", [64, 128, 192])
+def test_queries_that_see_nothing_do_not_widen_their_tiles_key_range(tile_m):
+    """visible_keys (host side): each query's [key_lo, key_hi) is its document's keys; a query
+    whose document the keys do not hold gets an empty range placed so that its tile's first and
+    last rows still bound exactly the keys its other queries see; both ends stay nondecreasing."""
+    from ringfa4.backends.cute.interface import visible_keys
+
+    gen = torch.Generator().manual_seed(tile_m)
+    for _ in range(40):
+        docs = int(torch.randint(2, 40, (), generator=gen))
+        q_len, k_len = (_some_missing(torch.bincount(torch.randint(0, docs, (int(torch.randint(1, 700, (), generator=gen)),),
+                                                                   generator=gen), minlength=docs), gen)
+                        for _ in range(2))
+        q_ids, k_ids = _document_ids(q_len.tolist()), _document_ids(k_len.tolist())
+        lo, hi = (t[0] for t in visible_keys((q_ids, k_ids), tile_m))
+        same_doc = q_ids[0, :, None] == k_ids[0, None, :]
+        sees = same_doc.any(1)
+        keys = torch.arange(k_ids.shape[1])
+        for q in range(q_ids.shape[1]):
+            assert torch.equal((keys >= lo[q]) & (keys < hi[q]), same_doc[q]), q
+        assert (lo[1:] >= lo[:-1]).all() and (hi[1:] >= hi[:-1]).all()
+        for start in range(0, q_ids.shape[1], tile_m):
+            rows = sees[start:start + tile_m].nonzero()[:, 0] + start
+            last = min(start + tile_m, q_ids.shape[1]) - 1
+            if len(rows):
+                assert lo[start] == lo[rows[0]] and hi[last] == hi[rows[-1]], start
 
 
 def test_backward_splits_a_kv_heads_query_heads_only_where_kv_blocks_are_few():

@@ -82,13 +82,33 @@ def _forward_outputs(q, out, lse):
     return out, lse
 
 
-def visible_keys(doc_ids):
+def _tight(lo, hi, tile):
+    """lo, hi (int (b, n) nondecreasing ranges, one per row) with every empty row's range moved
+    inside its tile's: a tile visits from its first row's lo to its last row's hi, so an empty
+    row (a query or key of a ring step whose document the other side does not hold) must not
+    widen that hull over rows of other documents; empty, it sees nothing wherever it sits. It
+    takes the hi of the tile's last row before it that is not empty, else the lo of the first
+    after it; both ends stay nondecreasing."""
+    b, n = lo.shape
+    pad = -n % tile
+    empty = torch.nn.functional.pad(lo == hi, (0, pad), value=True).view(b, -1, tile)
+    lo_t, hi_t = (torch.nn.functional.pad(t, (0, pad)).view(b, -1, tile) for t in (lo, hi))
+    none = torch.iinfo(lo.dtype).max
+    before = torch.where(empty, -1, hi_t).cummax(dim=2).values
+    after = torch.where(empty, none, lo_t).flip(2).cummin(dim=2).values.flip(2)
+    at = torch.where(before >= 0, before, after)
+    moved = empty & (at != none)
+    return tuple(torch.where(moved, at, t).view(b, -1)[:, :n] for t in (lo_t, hi_t))
+
+
+def visible_keys(doc_ids, tile_m):
     """Each query's visible keys [key_lo, key_hi) (int32 (b, sq) each) from doc_ids = (q_ids,
-    k_ids): the keys of its document, contiguous since the ids are nondecreasing. Computed on
-    the GPU (no host sync); what the forward kernel's document mask reads."""
+    k_ids): the keys of its document, contiguous since the ids are nondecreasing; rows that see
+    nothing kept inside the range of their ``tile_m``-row query tile (_tight). Computed on the
+    GPU (no host sync); what the kernels' document masks read."""
     q_ids, k_ids = (t.contiguous() for t in doc_ids)
-    return tuple(torch.searchsorted(k_ids, q_ids, side=side, out_int32=True)
-                 for side in ("left", "right"))
+    return _tight(*(torch.searchsorted(k_ids, q_ids, side=side, out_int32=True) for side in ("left", "right")),
+                  tile_m)
 
 
 def visible_blocks(doc_ids, causal, head_dim):
@@ -102,16 +122,16 @@ def visible_blocks(doc_ids, causal, head_dim):
     b, sq, sk = q_ids.shape[0], q_ids.shape[1], k_ids.shape[1]
     first_key = torch.arange(0, sk, tile_n, device=q_ids.device)
     last_key = (first_key + tile_n).clamp(max=sk) - 1
-    # Queries of the documents of each block's first and last key (the range between them).
-    lo = torch.searchsorted(q_ids, k_ids[:, first_key].contiguous(), side="left")
-    hi = torch.searchsorted(q_ids, k_ids[:, last_key].contiguous(), side="right")
+    # Queries of each key's document; a block reaches those of its first and last key that see any.
+    lo, hi = _tight(*(torch.searchsorted(q_ids, k_ids, side=side) for side in ("left", "right")), tile_n)
+    lo, hi = lo[:, first_key], hi[:, last_key]
     if causal:
         lo = torch.maximum(lo, first_key)
     m_first, m_end = lo // tile_m, (torch.maximum(hi, lo) + tile_m - 1) // tile_m
     tiles = torch.arange((sq + tile_m - 1) // tile_m, device=q_ids.device).expand(b, -1).contiguous()
     first_block = torch.searchsorted(m_end.contiguous(), tiles, side="right")
     last_block = torch.searchsorted(m_first.contiguous(), tiles, side="right") - 1
-    return (*visible_keys(doc_ids), torch.stack((m_first, m_end), -1).int(),
+    return (*visible_keys(doc_ids, tile_m), torch.stack((m_first, m_end), -1).int(),
             torch.stack((first_block, last_block), -1).int())
 
 
@@ -136,7 +156,7 @@ def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc
           != (DTYPE_NAMES[q.dtype], d, causal, has_docs)):
         raise ValueError(f"config {config.name} does not match dtype={q.dtype}, head_dim={d}, "
                          f"causal={causal}, documents={has_docs}")
-    key_lo, key_hi = visible_keys(doc_ids) if has_docs else (None, None)
+    key_lo, key_hi = visible_keys(doc_ids, config.tile_m) if has_docs else (None, None)
     compiled(config)(q.detach(), k.detach(), v.detach(), out.detach(), lse, key_lo, key_hi,
                      _scale(softmax_scale, d), _sms(q))
     return out, lse
