@@ -205,3 +205,17 @@ def test_backward_splits_a_kv_heads_query_heads_only_where_kv_blocks_are_few():
     assert head_splits(1, 4096, 4096, 32, 8, 128, True, True, sms) == 4  # where the default splits
     assert head_splits(1, 32768, 32768, 32, 8, 128, False, True, sms) == 1
     assert head_splits(1, 32768, 32768, 16, 16, 128, True, True, sms) == 1
+
+
+def test_document_ranges_are_derived_once_per_ids_objects():
+    """A ring passes the same ids objects to every layer's step (ringfa4.ring.documents): the
+    ranges the kernels read are computed once for them; other objects, even equal, get their own."""
+    from ringfa4.backends.cute.interface import visible_blocks, visible_keys
+
+    ids = (_document_ids([3, 5, 0, 7]), _document_ids([2, 0, 4, 9]))
+    assert all(a is b for a, b in zip(visible_blocks(ids, False, 128), visible_blocks(ids, False, 128)))
+    assert all(a is b for a, b in zip(visible_keys(ids, 64), visible_keys(ids, 64)))
+    assert visible_keys(ids, 128)[0] is not visible_keys(ids, 64)[0]
+    again = tuple(t.clone() for t in ids)
+    fresh = visible_blocks(again, False, 128)
+    assert all(a is not b and torch.equal(a, b) for a, b in zip(fresh, visible_blocks(ids, False, 128)))

@@ -182,37 +182,39 @@ class RingDocuments:
         """``step`` cut to the query and key rows of the documents both sides hold; None when they
         share none. The local step keeps every row (its result starts the ring's sums) and so does a
         causal one (its queries and keys must stay aligned row for row)."""
-        key = (source, causal)
-        if key not in self._step_rows:
-            q, k = (t.numpy() for t in self._ids_for(source, causal)[:2])
-            q, k = q[:, step.q], k[:, step.kv]
-            shared = [np.intersect1d(qr, kr) for qr, kr in zip(q, k)]
-            if not any(s.size for s in shared):
-                self._step_rows[key] = None
-            elif source == self.rank or step.causal:
-                self._step_rows[key] = step
-            else:
-                (qa, qb), (ka, kb) = _run(q, shared), _run(k, shared)
-                q0, q1, _ = step.q.indices(self._len)
-                k0 = step.kv.indices(self._len)[0]
-                first = max(q0, (q0 + qa) // ROW_ALIGN * ROW_ALIGN)
-                stop = min(q1, -(-(q0 + qb) // ROW_ALIGN) * ROW_ALIGN)
-                self._step_rows[key] = replace(step, q=slice(first, stop), kv=slice(k0 + ka, k0 + kb))
-        return self._step_rows[key]
+        q, k = (t.numpy() for t in self._ids_for(source, causal)[:2])
+        q, k = q[:, step.q], k[:, step.kv]
+        shared = [np.intersect1d(qr, kr) for qr, kr in zip(q, k)]
+        if not any(s.size for s in shared):
+            return None
+        if source == self.rank or step.causal:
+            return step
+        (qa, qb), (ka, kb) = _run(q, shared), _run(k, shared)
+        q0, q1, _ = step.q.indices(self._len)
+        k0 = step.kv.indices(self._len)[0]
+        first = max(q0, (q0 + qa) // ROW_ALIGN * ROW_ALIGN)
+        stop = min(q1, -(-(q0 + qb) // ROW_ALIGN) * ROW_ALIGN)
+        return replace(step, q=slice(first, stop), kv=slice(k0 + ka, k0 + kb))
 
     def step(self, step, source, causal, phase, kv):
         """(step, doc_ids) for the backend, the step narrowed to the rows that share documents, or
         (None, None) when none do (counted as skipped, with the bytes of the ``kv`` rows it would have
-        read)."""
+        read). The same doc_ids objects every call, so that a backend may derive what it reads of
+        them once (ringfa4.backends.cute.interface)."""
         if step is None:
             return None, None
-        narrowed = self._narrowed(step, source, causal)
+        key = (source, causal)
+        if key not in self._step_rows:
+            narrowed = self._narrowed(step, source, causal)
+            q_dev, k_dev = self._ids_for(source, causal)[2:]
+            self._step_rows[key] = (None, None) if narrowed is None else \
+                (narrowed, (q_dev[:, narrowed.q], k_dev[:, narrowed.kv]))
+        narrowed, ids = self._step_rows[key]
         if narrowed is None:
             _count(phase, True, sum(t[:, step.kv].numel() * t.element_size() for t in kv))
-            return None, None
-        _count(phase, False)
-        q_dev, k_dev = self._ids_for(source, causal)[2:]
-        return narrowed, (q_dev[:, narrowed.q], k_dev[:, narrowed.kv])
+        else:
+            _count(phase, False)
+        return narrowed, ids
 
 
 def _run(ids, shared):

@@ -8,8 +8,10 @@ a forward configuration, a QueryRows of another scale.
 """
 import importlib.util
 import math
+import weakref
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ringfa4.backends import DqBuffer
 from ringfa4.backends.cute.configs import BwdSm90Config, fwd_defaults
@@ -101,14 +103,33 @@ def _tight(lo, hi, tile):
     return tuple(torch.where(moved, at, t).view(b, -1)[:, :n] for t in (lo_t, hi_t))
 
 
+_derived = WeakIdKeyDictionary()  # q_ids -> {(what, k_ids' id, ...): (weakref to k_ids, tensors)}
+
+
+def _once(doc_ids, what, compute):
+    """compute() for these doc_ids and ``what``, once while both id tensors live: a ring passes
+    the same ids objects to every layer's step and its backward (ringfa4.ring.documents), so the
+    ranges a step's kernels read are derived once, not per call (ids are never written)."""
+    q_ids, k_ids = doc_ids
+    known = _derived.setdefault(q_ids, {})
+    key = (what, id(k_ids))
+    if key in known and known[key][0]() is k_ids:
+        return known[key][1]
+    value = compute()
+    known[key] = (weakref.ref(k_ids), value)
+    return value
+
+
 def visible_keys(doc_ids, tile_m):
     """Each query's visible keys [key_lo, key_hi) (int32 (b, sq) each) from doc_ids = (q_ids,
     k_ids): the keys of its document, contiguous since the ids are nondecreasing; rows that see
     nothing kept inside the range of their ``tile_m``-row query tile (_tight). Computed on the
     GPU (no host sync); what the kernels' document masks read."""
-    q_ids, k_ids = (t.contiguous() for t in doc_ids)
-    return _tight(*(torch.searchsorted(k_ids, q_ids, side=side, out_int32=True) for side in ("left", "right")),
-                  tile_m)
+    def compute():
+        q_ids, k_ids = (t.contiguous() for t in doc_ids)
+        return _tight(*(torch.searchsorted(k_ids, q_ids, side=side, out_int32=True) for side in ("left", "right")),
+                      tile_m)
+    return _once(doc_ids, ("keys", tile_m), compute)
 
 
 def visible_blocks(doc_ids, causal, head_dim):
@@ -117,22 +138,24 @@ def visible_blocks(doc_ids, causal, head_dim):
     (b, kv blocks, 2); per query tile the first and last K/V block reaching it (b, query
     tiles, 2), the blocks whose dQ reductions a deterministic run orders. Both ends of a
     block's range are nondecreasing in the block, so the blocks reaching a tile are one run."""
-    tile_m, tile_n = query_tile(head_dim), key_tile()
-    q_ids, k_ids = (t.contiguous() for t in doc_ids)
-    b, sq, sk = q_ids.shape[0], q_ids.shape[1], k_ids.shape[1]
-    first_key = torch.arange(0, sk, tile_n, device=q_ids.device)
-    last_key = (first_key + tile_n).clamp(max=sk) - 1
-    # Queries of each key's document; a block reaches those of its first and last key that see any.
-    lo, hi = _tight(*(torch.searchsorted(q_ids, k_ids, side=side) for side in ("left", "right")), tile_n)
-    lo, hi = lo[:, first_key], hi[:, last_key]
-    if causal:
-        lo = torch.maximum(lo, first_key)
-    m_first, m_end = lo // tile_m, (torch.maximum(hi, lo) + tile_m - 1) // tile_m
-    tiles = torch.arange((sq + tile_m - 1) // tile_m, device=q_ids.device).expand(b, -1).contiguous()
-    first_block = torch.searchsorted(m_end.contiguous(), tiles, side="right")
-    last_block = torch.searchsorted(m_first.contiguous(), tiles, side="right") - 1
-    return (*visible_keys(doc_ids, tile_m), torch.stack((m_first, m_end), -1).int(),
-            torch.stack((first_block, last_block), -1).int())
+    def compute():
+        tile_m, tile_n = query_tile(head_dim), key_tile()
+        q_ids, k_ids = (t.contiguous() for t in doc_ids)
+        b, sq, sk = q_ids.shape[0], q_ids.shape[1], k_ids.shape[1]
+        first_key = torch.arange(0, sk, tile_n, device=q_ids.device)
+        last_key = (first_key + tile_n).clamp(max=sk) - 1
+        # Queries of each key's document; a block reaches those of its first and last key that see any.
+        lo, hi = _tight(*(torch.searchsorted(q_ids, k_ids, side=side) for side in ("left", "right")), tile_n)
+        lo, hi = lo[:, first_key], hi[:, last_key]
+        if causal:
+            lo = torch.maximum(lo, first_key)
+        m_first, m_end = lo // tile_m, (torch.maximum(hi, lo) + tile_m - 1) // tile_m
+        tiles = torch.arange((sq + tile_m - 1) // tile_m, device=q_ids.device).expand(b, -1).contiguous()
+        first_block = torch.searchsorted(m_end.contiguous(), tiles, side="right")
+        last_block = torch.searchsorted(m_first.contiguous(), tiles, side="right") - 1
+        return (*visible_keys(doc_ids, tile_m), torch.stack((m_first, m_end), -1).int(),
+                torch.stack((first_block, last_block), -1).int())
+    return _once(doc_ids, ("blocks", causal, head_dim), compute)
 
 
 def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc_ids=None):
