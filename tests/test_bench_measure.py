@@ -66,7 +66,8 @@ def test_timer_turn_ms_fills_each_turn_by_the_warm_up_estimate():
     timer = measure.Timer("cpu", rounds=2, warmup=1, turn_ms=40, reduce="median")
     timer(fn("fast", 0), fn("slow", 0.05))
     assert timer.calls[1] == 1 and counts["slow"] == 1 + 2  # one call over 40 ms fills a turn
-    assert timer.calls[0] >= 10 and counts["fast"] == 1 + 2 * timer.calls[0]
+    # A no-op's estimate is microseconds; >= 2 holds even when a busy machine stalls the warm-up call.
+    assert timer.calls[0] >= 2 and counts["fast"] == 1 + 2 * timer.calls[0]
 
 
 def test_timer_refuses_turn_ms_across_ranks_and_bad_counts():

@@ -10,6 +10,7 @@ import ringfa4
 import ringfa4.backends.torch_ref as torch_ref
 from distributed import run
 from ringfa4 import documents
+from ringfa4.ring import documents as documents_ring
 from ringfa4.ring.documents import RingDocuments, counting
 from ringfa4.ring.schedule import ROW_ALIGN, plan
 
@@ -151,7 +152,8 @@ def _long_block_cases(world, rng):
     return [(layout, causal, cu) for layout in LAYOUTS for causal in (False, True)]
 
 
-def _check_long_blocks(rank, world, seed):
+def _check_long_blocks(rank, world, seed, split_rows):
+    documents_ring.SPLIT_ROWS = split_rows
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     for layout, causal, row in _long_block_cases(world, rng):
@@ -172,30 +174,21 @@ def _check_long_blocks(rank, world, seed):
             assert err < TOL, f"rank {rank}: {what} error {err:.3g} (W={world} {layout} causal={causal} cu={row})"
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ring_with_documents_over_blocks_longer_than_a_row_run_is_exact(world):
-    run(_check_long_blocks, world, random.randrange(2**31))
+@pytest.mark.parametrize("world, split_rows", [(2, documents_ring.SPLIT_ROWS), (2, 64), (3, 64)])
+def test_ring_with_documents_over_blocks_longer_than_a_row_run_is_exact(world, split_rows):
+    """Steps narrowed to one call (blocks of 640 rows) or split into several (SPLIT_ROWS 64)."""
+    run(_check_long_blocks, world, random.randrange(2**31), split_rows)
 
 
-def _run_covers(run, whole, sees, length, align):
-    """Whether the rows ``run`` of a step's rows ``whole`` hold every row that ``sees`` (a mask over
-    ``whole``), start and end on one that sees (or, ``align``, on a multiple of ROW_ALIGN or the
-    step's own edge) and lie inside ``whole``; and whether they are fewer."""
-    w0, w1, _ = whole.indices(length)
-    r0, r1, _ = run.indices(length)
-    rows = torch.arange(w0, w1)
-    seen = rows[sees]
-    if align:
-        edges = (r0 in (w0,) or r0 % ROW_ALIGN == 0) and (r1 in (w1,) or r1 % ROW_ALIGN == 0)
-    else:
-        edges = r0 == seen[0] and r1 == seen[-1] + 1
-    ok = w0 <= r0 < r1 <= w1 and edges and r0 <= seen[0] and seen[-1] < r1
-    return ok, r1 - r0 < w1 - w0
-
-
-def test_a_step_runs_over_the_rows_that_share_documents_only():
+@pytest.mark.parametrize("split_rows", [documents_ring.SPLIT_ROWS, 64])
+def test_a_step_calls_the_backend_over_the_rows_that_share_documents_only(monkeypatch, split_rows):
+    """Every pair of same-document rows of a step lies in exactly one of its calls; the calls'
+    query runs and key runs do not overlap, query runs start and end on ROW_ALIGN or the step's
+    edges, and the ids given are those of the rows called. With a short SPLIT_ROWS steps split
+    into several calls."""
+    monkeypatch.setattr(documents_ring, "SPLIT_ROWS", split_rows)
     rng = random.Random(0)
-    narrower = 0
+    narrower = split = 0
     for world in (2, 3, 4):
         for layout, causal, row in _long_block_cases(world, rng):
             local_len = row[-1] // world
@@ -203,16 +196,27 @@ def test_a_step_runs_over_the_rows_that_share_documents_only():
                 docs = RingDocuments([row], rank, world, layout, row[-1], torch.device("cpu"))
                 for source in range(world):
                     whole = plan(rank, source, layout, causal, local_len)
-                    step, ids = docs.step(whole, source, causal, "fwd", [])
-                    if step is None or source == rank:
+                    calls = docs.calls(whole, source, causal, "fwd", [])
+                    if not calls or source == rank:
                         continue
-                    q_ids, k_ids = docs._ids_for(source, causal)[:2]  # ids of the whole blocks
-                    assert torch.equal(ids[0], q_ids[:, step.q]) and torch.equal(ids[1], k_ids[:, step.kv])
                     case = (world, layout, causal, rank, source, row)
-                    q_ok, q_fewer = _run_covers(step.q, whole.q, torch.isin(q_ids[0, whole.q], k_ids[0, whole.kv]),
-                                                local_len, align=True)
-                    k_ok, k_fewer = _run_covers(step.kv, whole.kv, torch.isin(k_ids[0, whole.kv], q_ids[0, whole.q]),
-                                                local_len, align=False)
-                    assert q_ok and k_ok, case
-                    narrower += q_fewer and k_fewer
+                    q_ids, k_ids = docs._ids_for(source, causal)[:2]  # ids of the whole blocks
+                    (q0, q1, _), (k0, k1, _) = whole.q.indices(local_len), whole.kv.indices(local_len)
+                    covered = torch.zeros(local_len, local_len, dtype=torch.int64)
+                    for step, ids in calls:
+                        assert torch.equal(ids[0], q_ids[:, step.q]) and torch.equal(ids[1], k_ids[:, step.kv]), case
+                        assert step.q.start in (q0,) or step.q.start % ROW_ALIGN == 0, case
+                        assert step.q.stop in (q1,) or step.q.stop % ROW_ALIGN == 0, case
+                        assert q0 <= step.q.start < step.q.stop <= q1 and k0 <= step.kv.start < step.kv.stop <= k1
+                        covered[step.q, step.kv] += 1
+                    same = torch.zeros(local_len, local_len, dtype=torch.bool)
+                    same[q0:q1, k0:k1] = q_ids[0, q0:q1, None] == k_ids[0, None, k0:k1]
+                    assert (covered[same] == 1).all(), f"a same-document pair is called {covered[same].max()} times or none: {case}"
+                    q_runs = sorted((c[0].q.start, c[0].q.stop) for c in calls)
+                    k_runs = sorted((c[0].kv.start, c[0].kv.stop) for c in calls)
+                    assert all(a[1] <= b[0] for runs in (q_runs, k_runs) for a, b in zip(runs, runs[1:])), case
+                    narrower += sum(b - a for a, b in q_runs) < q1 - q0
+                    split += len(calls) > 1
     assert narrower > 0, "no step was narrowed: the cases do not test it"
+    if split_rows == 64:
+        assert split > 0, "no step was split into several calls: the cases do not test it"

@@ -44,6 +44,21 @@ def _nbytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _calls(step, docs, source, causal, phase, kv):
+    """[(step, doc_ids)]: the backend calls of a ring step (ringfa4.ring.schedule.plan's ``step``,
+    None: none), cut to the rows that share documents with ``docs``."""
+    if docs is not None:
+        return docs.calls(step, source, causal, phase, kv)
+    return [] if step is None else [(step, None)]
+
+
+def _add(dkv, grads):
+    """Add each call's dK/dV into the block's sums, at its key rows."""
+    for rows, g in grads:
+        for acc, t in zip(dkv, g):
+            acc[:, rows].add_(t)
+
+
 def ring_forward(backend, q, k, v, causal, softmax_scale, ring, layout, docs=None):
     """(out, lse, the last KV block held), the block being what the backward starts with.
 
@@ -59,14 +74,11 @@ def ring_forward(backend, q, k, v, causal, softmax_scale, ring, layout, docs=Non
         last = i + 1 == steps
         works = ring.start(kv, targets[i % 2], span=("fwd", i, "kv")) if not last else []
         source = (rank - i) % world
-        step, ids = plan(rank, source, layout, causal, q.shape[1]), None
-        if docs is not None:
-            step, ids = docs.step(step, source, causal, "fwd", kv)
         started = timeline.begin(q.device)
-        if step is not None:
+        for step, ids in _calls(plan(rank, source, layout, causal, q.shape[1]), docs, source, causal, "fwd", kv):
             o, l = backend.forward(q[:, step.q], kv[0][:, step.kv], kv[1][:, step.kv], step.causal, softmax_scale,
                                    **call_kwargs(ids))
-            if out is None:  # step 0, the local block, always covers every query row
+            if out is None:  # step 0, the local block, always one call over every query row
                 out, lse = o.to(_sum_dtype(q, l, steps)), l
             else:
                 merging = timeline.begin(q.device)
@@ -103,27 +115,23 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
         # The block of step j + 1 travels during step j; the local one is already here.
         kv_works = ring.start(kv, targets[j % 2], span=("bwd", j, "kv")) if j + 2 < steps else []
         source = (rank - steps + 1 + j) % world
-        step, ids = plan(rank, source, layout, causal, q.shape[1]), None
-        if docs is not None:
-            step, ids = docs.step(step, source, causal, "bwd", kv)
         started = timeline.begin(q.device)
-        grads = None
-        if step is not None:
+        grads = []  # (key rows, [dk, dv]) of each call
+        for step, ids in _calls(plan(rank, source, layout, causal, q.shape[1]), docs, source, causal, "bwd", kv):
             rows = step.q
-            _, *grads = backend.backward(
+            _, *g = backend.backward(
                 dout[:, rows], q[:, rows], kv[0][:, step.kv], kv[1][:, step.kv], out[:, rows],
                 lse[:, :, rows], step.causal, softmax_scale, dq=queries.rows(rows), deterministic=deterministic,
                 **call_kwargs(ids),
             )
+            grads.append((step.kv, g))
         if j == 0:  # this block's sums start here
             sum_dtype = _sum_dtype(kv[0], lse, steps)
-            if step is not None and step.kv == slice(0, k.shape[1]):
-                dkv = [g.to(sum_dtype) for g in grads]
+            if len(grads) == 1 and grads[0][0] == slice(0, k.shape[1]):
+                dkv = [g.to(sum_dtype) for g in grads.pop()[1]]
             else:
                 dkv = [torch.zeros_like(t, dtype=sum_dtype) for t in kv]
-                if step is not None:
-                    for acc, g in zip(dkv, grads):
-                        acc[:, step.kv].add_(g)
+                _add(dkv, grads)
             inbox = _empty_like(dkv)
         timeline.end(started, "bwd", j, "compute")
         if j > 0:
@@ -131,9 +139,7 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
             ring.wait(dkv_works)
             timeline.end(waiting, "bwd", j, "wait_dkv")
             dkv, inbox = inbox, dkv
-            if step is not None:
-                for acc, g in zip(dkv, grads):
-                    acc[:, step.kv].add_(g)
+            _add(dkv, grads)
         if not local:
             dkv_works = ring.start(dkv, inbox, tag=1, span=("bwd", j, "dkv"))
             ring.wait(kv_works)

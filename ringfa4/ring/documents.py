@@ -20,11 +20,13 @@ match nothing and keep the ids nondecreasing. (document_zigzag: from an earlier 
 pieces see the block's first piece and not its second; from a later one only the local second
 piece sees, and it sees both.)
 
-A step that runs is narrowed to the rows that can see anything: ids are nondecreasing, so the
-shared documents fill one run of query rows and one of key rows, and the call, its merge and its
-dK/dV add cover those runs only, not the whole block (most of a step's rows see nothing when a
-rank holds many documents). Query runs are widened to multiples of ROW_ALIGN, where the backward's
-dQ state wants them to start (ringfa4.ring.schedule.row_chunk).
+A step that runs covers only the rows that can see anything: ids are nondecreasing, so each
+shared document is one run of query rows and one of key rows, and the step becomes one call per
+group of shared documents that lie close together (SPLIT_ROWS), its merge and its dK/dV add over
+those runs only, not the whole block (most of a step's rows see nothing when a rank holds many
+documents). Query runs are widened to multiples of ROW_ALIGN, where the backward's dQ state wants
+them to start (ringfa4.ring.schedule.row_chunk); the calls' runs never overlap, so no pair is
+computed twice. A batch of several rows keeps one call over the hull of its runs.
 """
 import contextlib
 import functools
@@ -36,6 +38,11 @@ import torch
 from ringfa4 import documents
 from ringfa4.ring.layout import chunk_ids, num_chunks
 from ringfa4.ring.schedule import ROW_ALIGN
+
+# Rows seeing nothing between two shared documents from which they go to separate calls: a call
+# costs ~0.1 ms of launches and passes, a query tile that sees nothing ~10 us of a CTA's setup over
+# the GPU's ~130 SMs, so gaps of a few thousand rows are worth a call.
+SPLIT_ROWS = 2048
 
 
 @dataclass
@@ -141,7 +148,7 @@ class RingDocuments:
         self._piece = [_pieces(p) for p in pos]
         self._local = self._ids[rank].to(device)
         self._len = pos[rank].shape[1]
-        self._step_ids, self._step_rows, self._steps = {}, {}, {}
+        self._step_ids, self._step_parts, self._steps = {}, {}, {}
 
     @property
     def local(self):
@@ -178,51 +185,73 @@ class RingDocuments:
             self._step_ids[key] = (q, k, q.to(self.device), k.to(self.device))
         return self._step_ids[key]
 
-    def _narrowed(self, step, source, causal):
-        """``step`` cut to the query and key rows of the documents both sides hold; None when they
-        share none. The local step keeps every row (its result starts the ring's sums) and so does a
-        causal one (its queries and keys must stay aligned row for row)."""
+    def _parts(self, step, source, causal):
+        """``step`` cut into the calls over the query and key rows of the documents both sides
+        hold ([] when they share none). The local step keeps every row (its result starts the
+        ring's sums) and so does a causal one (its queries and keys must stay aligned row for row)."""
         q, k = (t.numpy() for t in self._ids_for(source, causal)[:2])
         q, k = q[:, step.q], k[:, step.kv]
         shared = [np.intersect1d(qr, kr) for qr, kr in zip(q, k)]
         if not any(s.size for s in shared):
-            return None
+            return []
         if source == self.rank or step.causal:
-            return step
-        (qa, qb), (ka, kb) = _run(q, shared), _run(k, shared)
+            return [step]
         q0, q1, _ = step.q.indices(self._len)
         k0 = step.kv.indices(self._len)[0]
-        first = max(q0, (q0 + qa) // ROW_ALIGN * ROW_ALIGN)
-        stop = min(q1, -(-(q0 + qb) // ROW_ALIGN) * ROW_ALIGN)
-        return replace(step, q=slice(first, stop), kv=slice(k0 + ka, k0 + kb))
+        groups = _groups(q[0], k[0], shared[0]) if len(q) == 1 else [_hull(q, k, shared)]
+        parts = []
+        for (qa, qb), (ka, kb) in groups:
+            first = max(q0, (q0 + qa) // ROW_ALIGN * ROW_ALIGN)
+            stop = min(q1, -(-(q0 + qb) // ROW_ALIGN) * ROW_ALIGN)
+            kv = slice(k0 + ka, k0 + kb)
+            if parts and first < parts[-1].q.stop:  # widened query runs that meet: one call
+                last = parts.pop()
+                first, kv = last.q.start, slice(last.kv.start, kv.stop)
+            parts.append(replace(step, q=slice(first, stop), kv=kv))
+        return parts
 
-    def step(self, step, source, causal, phase, kv):
-        """(step, doc_ids) for the backend, the step narrowed to the rows that share documents, or
-        (None, None) when none do (counted as skipped, with the bytes of the ``kv`` rows it would have
-        read). The same doc_ids objects every call, so that a backend may derive what it reads of
-        them once (ringfa4.backends.cute.interface)."""
+    def calls(self, step, source, causal, phase, kv):
+        """[(step, doc_ids)] of the backend calls of this ring step: its rows that share documents,
+        in one call or a few (none when nothing is shared, counted as skipped, with the bytes of
+        the ``kv`` rows it would have read). The same doc_ids objects every call, so that a
+        backend may derive what it reads of them once (ringfa4.backends.cute.interface)."""
         if step is None:
-            return None, None
+            return []
         key = (source, causal)
-        if key not in self._step_rows:
-            narrowed = self._narrowed(step, source, causal)
+        if key not in self._step_parts:
             q_dev, k_dev = self._ids_for(source, causal)[2:]
-            self._step_rows[key] = (None, None) if narrowed is None else \
-                (narrowed, (q_dev[:, narrowed.q], k_dev[:, narrowed.kv]))
-        narrowed, ids = self._step_rows[key]
-        if narrowed is None:
-            _count(phase, True, sum(t[:, step.kv].numel() * t.element_size() for t in kv))
-        else:
+            self._step_parts[key] = [(part, (q_dev[:, part.q], k_dev[:, part.kv]))
+                                     for part in self._parts(step, source, causal)]
+        parts = self._step_parts[key]
+        if parts:
             _count(phase, False)
-        return narrowed, ids
+        else:
+            _count(phase, True, sum(t[:, step.kv].numel() * t.element_size() for t in kv))
+        return parts
 
 
-def _run(ids, shared):
-    """[first, last + 1) of the rows, over all batch rows, whose ids lie in the shared range (ids
-    nondecreasing per row)."""
-    runs = [(np.searchsorted(row, s[0], "left"), np.searchsorted(row, s[-1], "right"))
-            for row, s in zip(ids, shared) if s.size]
-    return min(a for a, _ in runs), max(b for _, b in runs)
+def _rows_of(ids, d):
+    """[first, last + 1) of the rows holding id d (ids nondecreasing)."""
+    return np.searchsorted(ids, d, "left"), np.searchsorted(ids, d, "right")
+
+
+def _groups(q, k, shared):
+    """One batch row: [((q first, q stop), (k first, k stop))] of the shared documents, those less
+    than SPLIT_ROWS rows apart (on either side) grouped into one."""
+    groups = []
+    for d in shared:
+        (qa, qb), (ka, kb) = _rows_of(q, d), _rows_of(k, d)
+        if groups and (qa - groups[-1][0][1] < SPLIT_ROWS or ka - groups[-1][1][1] < SPLIT_ROWS):
+            (qa, _), (ka, _) = groups.pop()
+        groups.append(((qa, qb), (ka, kb)))
+    return groups
+
+
+def _hull(q, k, shared):
+    """Several batch rows: the one group from the first to the last row of any shared document."""
+    runs = [(_rows_of(qr, s[0])[0], _rows_of(qr, s[-1])[1], _rows_of(kr, s[0])[0], _rows_of(kr, s[-1])[1])
+            for qr, kr, s in zip(q, k, shared) if s.size]
+    return (min(r[0] for r in runs), max(r[1] for r in runs)), (min(r[2] for r in runs), max(r[3] for r in runs))
 
 
 def ring_documents(rows, rank, world, layout, seq_len, device):
