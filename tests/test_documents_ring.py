@@ -71,23 +71,30 @@ def _check(rank, world, seed):
                     cu = torch.tensor(row + [seq + x for x in second[1:]], dtype=torch.int32)
                     rows = [row, second]
                 case = f"W={world} {layout} causal={causal} b={b} h={h} hk={hk} {name} cu={cu.tolist()}"
-                q, k, v, dout = (torch.randn(b, seq, n, d, dtype=torch.float64, generator=gen) for n in (h, hk, hk, h))
-                full = [t.clone().requires_grad_() for t in (q, k, v)]
-                ref_out, ref_lse = document_attention_fp64(*full, rows, causal, scale)
-                ref = (ref_out, ref_lse, *torch.autograd.grad(ref_out, full, dout))
+                tensors = [torch.randn(b, seq, n, d, dtype=torch.float64, generator=gen) for n in (h, hk, hk, h)]
+                _assert_ring_matches_fp64(rank, tensors, rows, cu, layout, causal, scale, case)
 
-                def sharded(t, dim=1):
-                    return ringfa4.shard(t, dim=dim, layout=layout, cu_seqlens=cu)
 
-                local = [sharded(t).requires_grad_() for t in (q, k, v)]
-                got = _run_ring(local, layout, causal, scale, cu, sharded(dout))
-                for what, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
-                    r = sharded(r, dim=2 if what == "lse" else 1)
-                    assert torch.isfinite(g).all(), f"rank {rank}: {what} not finite ({case})"
-                    err = (g - r).abs().max().item()
-                    assert g.shape == r.shape and err < TOL, f"rank {rank}: {what} error {err:.3g} ({case})"
-                back = ringfa4.unshard(sharded(ref_out.detach()), layout=layout, cu_seqlens=cu)
-                assert torch.equal(back, ref_out.detach()), f"rank {rank}: unshard(shard(x)) != x ({case})"
+def _assert_ring_matches_fp64(rank, tensors, rows, cu, layout, causal, scale, case):
+    """The ring on this rank's rows of q, k, v, dout (full sequences) against per-document fp64
+    attention: out, lse, dq, dk, dv; and unshard(shard(x)) == x."""
+    q, k, v, dout = tensors
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = document_attention_fp64(*full, rows, causal, scale)
+    ref = (ref_out, ref_lse, *torch.autograd.grad(ref_out, full, dout))
+
+    def sharded(t, dim=1):
+        return ringfa4.shard(t, dim=dim, layout=layout, cu_seqlens=cu)
+
+    local = [sharded(t).requires_grad_() for t in (q, k, v)]
+    got = _run_ring(local, layout, causal, scale, cu, sharded(dout))
+    for what, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
+        r = sharded(r, dim=2 if what == "lse" else 1)
+        assert torch.isfinite(g).all(), f"rank {rank}: {what} not finite ({case})"
+        err = (g - r).abs().max().item()
+        assert g.shape == r.shape and err < TOL, f"rank {rank}: {what} error {err:.3g} ({case})"
+    back = ringfa4.unshard(sharded(ref_out.detach()), layout=layout, cu_seqlens=cu)
+    assert torch.equal(back, ref_out.detach()), f"rank {rank}: unshard(shard(x)) != x ({case})"
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -157,21 +164,9 @@ def _check_long_blocks(rank, world, seed, split_rows):
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     for layout, causal, row in _long_block_cases(world, rng):
-        cu = torch.tensor(row, dtype=torch.int32)
-        seq = row[-1]
-        q, k, v, dout = (torch.randn(1, seq, n, 8, dtype=torch.float64, generator=gen) for n in (2, 1, 1, 2))
-        full = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref_out, ref_lse = document_attention_fp64(*full, [row], causal)
-        ref = (ref_out, ref_lse, *torch.autograd.grad(ref_out, full, dout))
-
-        def sharded(t, dim=1):
-            return ringfa4.shard(t, dim=dim, layout=layout, cu_seqlens=cu)
-
-        local = [sharded(t).requires_grad_() for t in (q, k, v)]
-        got = _run_ring(local, layout, causal, None, cu, sharded(dout))
-        for what, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
-            err = (g - sharded(r, dim=2 if what == "lse" else 1)).abs().max().item()
-            assert err < TOL, f"rank {rank}: {what} error {err:.3g} (W={world} {layout} causal={causal} cu={row})"
+        tensors = [torch.randn(1, row[-1], n, 8, dtype=torch.float64, generator=gen) for n in (2, 1, 1, 2)]
+        _assert_ring_matches_fp64(rank, tensors, [row], torch.tensor(row, dtype=torch.int32), layout, causal, None,
+                                  f"W={world} {layout} causal={causal} SPLIT_ROWS={split_rows} cu={row}")
 
 
 @pytest.mark.parametrize("world, split_rows", [(2, documents_ring.SPLIT_ROWS), (2, 64), (3, 64)])
