@@ -602,10 +602,17 @@ def refit(base, paths):
                     f"replayed, minus its kernels timed alone, per step; median over local lengths {locals_} at "
                     f"W={graphed[0]['world']} (readings {us[0]:.0f} to {us[-1]:.0f} us)"))
     checks = [_check_row(r) for r in rows if r.get("efficiency") and ("ringfa4_ms" in r or r.get("kind") == "efficiency")]
-    if checks:
-        kept = [c for c in cal.get("checks", []) if c not in checks]
-        cal["checks"] = kept + checks
+    if checks:  # a case measured again replaces its older rows (the kernels under it may have changed)
+        cases = {_check_case(c) for c in checks}
+        newest = {_check_case(c): c for c in checks}
+        cal["checks"] = [c for c in cal.get("checks", []) if _check_case(c) not in cases] + list(newest.values())
     return cal
+
+
+def _check_case(row):
+    """What a check row measured, without the measurement."""
+    return tuple((k, row.get(k)) for k in ("kind",) + CHECK_FIELDS
+                 if k not in ("efficiency", "ringfa4_ms", "single_ms", "rank_ms"))
 
 
 def _backend_name(name):
