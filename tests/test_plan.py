@@ -315,3 +315,15 @@ def test_refit_takes_the_all_to_all_from_head_parallel_rows_and_the_model_uses_i
     shape = plan.Shape(32, 8, 128, 65536, True, 2)
     expected = plan._a2a_ms(topo, shape, 2, 1, plan.Link("x", 150.0, 0.04, ""))
     assert plan.predict_split(topo, shape, 2, 1).a2a_ms == pytest.approx(expected)
+
+
+def test_refit_replaces_the_check_row_of_a_case_measured_again(tmp_path):
+    row = dict(device="NVIDIA H200", kind="efficiency", backend="ringfa4.backends.cute", seq=1 << 17, heads=32,
+               kv_heads=8, head_dim=128, causal=True, dtype="bfloat16", world=8, head_world=2, ring_world=4,
+               rank_ms={"0": 40.0}, efficiency=0.9)
+    (tmp_path / "old.json").write_text(json.dumps([row]))
+    (tmp_path / "new.json").write_text(json.dumps([dict(row, rank_ms={"0": 36.0}, efficiency=1.0)]))
+    first = plan.refit(_base(), [tmp_path / "old.json"])
+    second = plan.refit(first, [tmp_path / "new.json"])
+    case = [c for c in second["checks"] if c.get("rank_ms") in ({"0": 40.0}, {"0": 36.0})]
+    assert [c["efficiency"] for c in case] == [1.0] and len(second["checks"]) == len(first["checks"])
