@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from ringfa4 import documents, flops, hf
 from ringfa4.nn import build_mesh
-from ringfa4.ring.layout import LAYOUTS
 from ringfa4.nn.parallel import CP, DP_SHARD
+from ringfa4.ring.layout import LAYOUTS
 from ringfa4.train import checkpoint, data, launch, metrics
 
 BLANK_LINE = b"\n\n"  # ends a document of byte-level text (--packed-documents), as in the trainer's data=text
