@@ -166,9 +166,9 @@ def test_queries_that_see_nothing_do_not_widen_their_tiles_key_range(tile_m):
     gen = torch.Generator().manual_seed(tile_m)
     for _ in range(40):
         docs = int(torch.randint(2, 40, (), generator=gen))
-        q_len, k_len = (_some_missing(torch.bincount(torch.randint(0, docs, (int(torch.randint(1, 700, (), generator=gen)),),
-                                                                   generator=gen), minlength=docs), gen)
-                        for _ in range(2))
+        lengths = [int(torch.randint(1, 700, (), generator=gen)) for _ in range(2)]
+        q_len, k_len = (_some_missing(torch.bincount(torch.randint(0, docs, (n,), generator=gen), minlength=docs), gen)
+                        for n in lengths)
         q_ids, k_ids = _document_ids(q_len.tolist()), _document_ids(k_len.tolist())
         lo, hi = (t[0] for t in visible_keys((q_ids, k_ids), tile_m))
         same_doc = q_ids[0, :, None] == k_ids[0, None, :]
