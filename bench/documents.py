@@ -129,8 +129,9 @@ def attention_rows(args, device, dtype, rows):
 def rank_call(backend, full, rank, world, layout, row, device):
     """fwd+bwd of ring rank ``rank`` on this device; ``row`` None: no documents (dense ring)."""
     q, k, v, dout = full
-    blocks = [[_part(t, r, world, layout, row) for t in (k, v)] for r in range(world)]
-    q_local, dout_local = _part(q, rank, world, layout, row), _part(dout, rank, world, layout, row)
+    rows = None if row is None else [row]
+    blocks = [[ring_layout.part(t, r, world, layout, rows=rows) for t in (k, v)] for r in range(world)]
+    q_local, dout_local = (ring_layout.part(t, rank, world, layout, rows=rows) for t in (q, dout))
     docs = None if row is None else RingDocuments([row], rank, world, layout, q.shape[1], device)
     scale = q.shape[-1] ** -0.5
 
@@ -144,12 +145,6 @@ def rank_call(backend, full, rank, world, layout, row, device):
 
 def _name(backend):
     return backend.__name__.rsplit(".", 1)[-1]
-
-
-def _part(x, rank, world, layout, row):
-    if layout in documents.LAYOUTS:
-        return documents.part(x, [row], rank, world, layout)
-    return ring_layout.part(x, rank, world, layout)
 
 
 def ring_rows(args, device, dtype, rows):

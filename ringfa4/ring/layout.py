@@ -73,11 +73,16 @@ def _head_rank_world(head_group):
     return dist.get_rank(head_group), dist.get_world_size(head_group)
 
 
-def part(x, rank, world, layout, dim=1, head_rank=0, head_world=1):
+def part(x, rank, world, layout, dim=1, head_rank=0, head_world=1, rows=None):
     """The part of the full sequence ``x`` (along ``dim``) that ring rank ``rank`` of ``world`` holds,
     or with a head group of ``head_world`` its member ``head_rank``: piece head_rank of the ring
-    shard cut into head_world contiguous pieces (see ringfa4.ring.heads)."""
+    shard cut into head_world contiguous pieces (see ringfa4.ring.heads). ``rows``: per batch row
+    the document boundaries (ringfa4.documents.row_boundaries), which the document layouts follow."""
     check_divisible(x.shape[dim], world, layout, name=f"x.shape[{dim}]", head_world=head_world)
+    if layout in documents.LAYOUTS:
+        if rows is None:
+            raise ValueError(f"layout {layout!r} follows the documents: it needs their boundaries")
+        return documents.part(x, rows, rank, world, layout, dim, head_rank, head_world)
     chunks = x.chunk(num_chunks(world, layout), dim=dim)
     local = torch.cat([chunks[i] for i in chunk_ids(rank, world, layout)], dim=dim)
     return local.chunk(head_world, dim=dim)[head_rank] if head_world > 1 else local
@@ -98,11 +103,8 @@ def shard(x, dim=1, group=None, layout="zigzag", head_group=None, cu_seqlens=Non
     """
     rank, world = group_rank_world(group)
     head_rank, head_world = _head_rank_world(head_group)
-    if layout in documents.LAYOUTS:
-        check_divisible(x.shape[dim], world, layout, name=f"x.shape[{dim}]", head_world=head_world)
-        rows = _document_rows(x, dim, cu_seqlens, layout)
-        return documents.part(x, rows, rank, world, layout, dim, head_rank, head_world)
-    return part(x, rank, world, layout, dim, head_rank, head_world)
+    rows = _document_rows(x, dim, cu_seqlens, layout) if layout in documents.LAYOUTS else None
+    return part(x, rank, world, layout, dim, head_rank, head_world, rows)
 
 
 def unshard(x_local, dim=1, group=None, layout="zigzag", head_group=None, cu_seqlens=None):

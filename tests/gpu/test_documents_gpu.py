@@ -82,9 +82,7 @@ def test_every_rank_of_a_simulated_ring_with_documents_matches_fp64(world, layou
     ref_dq = torch.autograd.grad(ref_out, full[0], dout.double())[0]
 
     def part(x, rank, dim=1):
-        if layout in documents.LAYOUTS:
-            return documents.part(x, [RING_ROWS], rank, world, layout, dim=dim)
-        return ring_layout.part(x, rank, world, layout, dim=dim)
+        return ring_layout.part(x, rank, world, layout, dim=dim, rows=[RING_ROWS])
 
     backend, scale = backends.get("cute"), q.shape[-1] ** -0.5
     blocks = [[part(t, r) for t in (k, v)] for r in range(world)]
