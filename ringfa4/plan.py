@@ -603,9 +603,8 @@ def refit(base, paths):
                     f"W={graphed[0]['world']} (readings {us[0]:.0f} to {us[-1]:.0f} us)"))
     checks = [_check_row(r) for r in rows if r.get("efficiency") and ("ringfa4_ms" in r or r.get("kind") == "efficiency")]
     if checks:  # a case measured again replaces its older rows (the kernels under it may have changed)
-        cases = {_check_case(c) for c in checks}
         newest = {_check_case(c): c for c in checks}
-        cal["checks"] = [c for c in cal.get("checks", []) if _check_case(c) not in cases] + list(newest.values())
+        cal["checks"] = [c for c in cal.get("checks", []) if _check_case(c) not in newest] + list(newest.values())
     return cal
 
 

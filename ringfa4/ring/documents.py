@@ -147,7 +147,6 @@ class RingDocuments:
         self._spans = [_spans(i, p) for i, p in zip(self._ids, pos)]
         self._piece = [_pieces(p) for p in pos]
         self._local = self._ids[rank].to(device)
-        self._len = pos[rank].shape[1]
         self._step_ids, self._step_parts, self._steps = {}, {}, {}
 
     @property
@@ -196,8 +195,9 @@ class RingDocuments:
             return []
         if source == self.rank or step.causal:
             return [step]
-        q0, q1, _ = step.q.indices(self._len)
-        k0 = step.kv.indices(self._len)[0]
+        local_len = self._local.shape[1]
+        q0, q1, _ = step.q.indices(local_len)
+        k0 = step.kv.indices(local_len)[0]
         groups = _groups(q[0], k[0], shared[0]) if len(q) == 1 else [_hull(q, k, shared)]
         parts = []
         for (qa, qb), (ka, kb) in groups:
