@@ -9,8 +9,11 @@ Efficiency rows: for each W, the pure ring (U = 1) and every head group size U t
 most --max-head-group and splits the heads (ringfa4.ring.heads.check_split); a length that does not
 split over U x R becomes the nearest one that does, with chunks of whole 128-row tiles (both are
 recorded). The rank time is the slowest of the simulated ring ranks (--ranks: the first and the
-last, the two extremes of the zigzag schedule), one fwd+bwd call each, the Timer's median.
-compute efficiency = (t1 / W) / t_rank, t1 the 1-GPU fwd+bwd call at the same length; above
+last, the two extremes of the zigzag schedule), one fwd+bwd call each, the Timer's median; on a
+GPU each rank's call is also captured in a CUDA graph and replayed (graph_rank_ms,
+graph_efficiency): its compute without the host's time to issue the steps, which bounds short
+chunks eagerly and varies with the machine's CPU; the planner's compute side is checked against
+these. compute efficiency = (t1 / W) / t_rank, t1 the 1-GPU fwd+bwd call at the same length; above
 --single-max tokens t1 is t1(single-max) x (seq / single-max)^2, the ratio of their FLOPs (the
 kernels' TFLOP/s is flat past 32k tokens, bench/results/kernels.json). The all-to-all of a head
 group is a device copy here, not an NVLink transfer: the planner adds link times.
@@ -132,13 +135,23 @@ def efficiency_rows(args, module, device, dtype, rows):
                 ring_world = world // u
                 used = nearest_length(seq, ring_world, "zigzag", u, align=ALIGN)
                 t1 = t1_base * (used / base) ** 2
-                per_rank = {}
+                per_rank, graph_ms, graph_errors = {}, {}, []
                 for r in sorted({which[name](ring_world) for name in args.ranks.split(",")}):
                     rank = _rank(module, used, h, hk, d, args.causal, dtype, device, u, ring_world, r)
                     per_rank[r] = (timer(rank)[0], _step_spans(rank))
+                    if device.type == "cuda":
+                        replay, error = measure.graphed(rank)
+                        if replay is None:
+                            graph_errors.append(f"rank {r}: {error}")
+                        else:
+                            graph_ms[str(r)] = timer(replay)[0]
+                        del replay
                     del rank
                 slowest = max(per_rank, key=lambda r: per_rank[r][0])
                 t_rank, (fwd_step, bwd_step) = per_rank[slowest]
+                graph = dict(graph_rank_ms=graph_ms or None, graph_error="; ".join(graph_errors) or None,
+                             graph_efficiency=(t1 / world / max(graph_ms.values())
+                                               if graph_ms and not graph_errors else None))
                 rows.add(dict(measure.metadata(device, args.commit), kind="efficiency", backend=module.__name__,
                               seq=seq, seq_used=used, heads=h, kv_heads=hk, head_dim=d, causal=args.causal,
                               dtype=str(dtype).removeprefix("torch."),
@@ -146,7 +159,7 @@ def efficiency_rows(args, module, device, dtype, rows):
                               rank_ms={str(r): ms for r, (ms, _) in per_rank.items()}, slowest_rank=slowest,
                               rank_tflops=flops.attention(1, used, used, h, d, args.causal, "fwd+bwd") / world
                               / (t_rank * 1e9), fwd_step_ms=fwd_step, bwd_step_ms=bwd_step,
-                              single_ms=t1, single_measured_at=base, efficiency=t1 / world / t_rank))
+                              single_ms=t1, single_measured_at=base, efficiency=t1 / world / t_rank, **graph))
 
 
 def _kernels_ms(rank, timer, graphs=False):

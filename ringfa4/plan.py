@@ -112,6 +112,9 @@ class Topology:
     # applied to the ring's steps and the 1-GPU call alike (it cancels in the efficiency)
     kernel_scale: tuple = (1.0, 1.0)
     checks: tuple = ()  # measured rows (ring and simulated) of this GPU to print beside the model
+    # The per-step overhead of a ring captured in a CUDA graph, for the simulated rows replayed
+    # from one (the checks of the compute side without the host's time to issue each step)
+    graph_step_overhead_ms: "float | None" = None
     # The head group's all-to-alls within the domain, when measured apart from the ring's transfers
     # (one exchange among all members costs a different fixed time than a ring's send/recv pair)
     all_to_all: "Link | None" = None
@@ -215,6 +218,7 @@ def presets(backend="fa4", calibrations=None, graphed=False):
         raise ValueError(f"{cals['H200']['_file']} has no per-step overhead of a CUDA-graphed ring for backend "
                          f"{backend!r} (bench/ring.py --overhead rows, then --refit)")
     on_h200 = _assumed(measured, None)
+    graph_h200 = _graph_overhead(cals["H200"], backend)
     on_h100 = _assumed(overhead(cals["H100"], backend), measured)
     checks = tuple(dict(r, _file=cals["H200"]["_file"]) for r in cals["H200"].get("checks", ())
                    if r.get("backend") == backend)
@@ -224,7 +228,8 @@ def presets(backend="fa4", calibrations=None, graphed=False):
                           assumed="the 2 x H200 fit with NVLink5's bandwidth (x2)", name="NVLink5 all-to-all")
     return {
         "h200-x2": Topology("h200-x2", "2 x H200 on NVLink (the lent machine); more GPUs across IB 400G",
-                            h200, 2, nv4, ib, backend, checks=checks, all_to_all=a2a, **on_h200),
+                            h200, 2, nv4, ib, backend, checks=checks, all_to_all=a2a,
+                            graph_step_overhead_ms=graph_h200 and graph_h200["step_overhead_ms"][0], **on_h200),
         "h100-node": Topology("h100-node", "8 x H100 on NVLink (one HGX node); more GPUs across IB 400G",
                               h100, 8, nv4_h100, ib, backend, all_to_all=a2a_h100, **on_h100),
         "gb200-nvl72": Topology("gb200-nvl72", "72 x GB200 in one NVLink domain (900 GB/s per direction per GPU); "
@@ -610,8 +615,7 @@ def refit(base, paths):
 
 def _check_case(row):
     """What a check row measured, without the measurement."""
-    return tuple((k, row.get(k)) for k in ("kind",) + CHECK_FIELDS
-                 if k not in ("efficiency", "ringfa4_ms", "single_ms", "rank_ms"))
+    return tuple((k, row.get(k)) for k in ("kind",) + CHECK_FIELDS if k not in MEASURED_FIELDS)
 
 
 def _backend_name(name):
@@ -620,11 +624,13 @@ def _backend_name(name):
 
 
 CHECK_FIELDS = ("backend", "seq", "heads", "kv_heads", "head_dim", "causal", "dtype", "world", "efficiency",
-                "ringfa4_ms", "single_ms", "head_world", "ring_world", "rank_ms", "seq_used")
+                "ringfa4_ms", "single_ms", "head_world", "ring_world", "rank_ms", "seq_used", "graph_rank_ms",
+                "graph_efficiency")
+MEASURED_FIELDS = ("efficiency", "ringfa4_ms", "single_ms", "rank_ms", "graph_rank_ms", "graph_efficiency")
 
 
 def _check_row(r):
-    row = {k: r[k] for k in CHECK_FIELDS if k in r}
+    row = {k: r[k] for k in CHECK_FIELDS if r.get(k) is not None}
     if r.get("kind") == "efficiency":  # bench/simulate.py: the backend is a module name
         row.update(kind="simulated", backend=_backend_name(r["backend"]))
     else:
@@ -685,16 +691,25 @@ def _check_lines(topo):
                        f"{r['efficiency']:.3f} | {s.efficiency:.3f} ({_err(s.efficiency, r['efficiency'])})   ring ms "
                        f"{r['ringfa4_ms']:.2f} | {s.rank_ms:.2f} ({_err(s.rank_ms, r['ringfa4_ms'])})")
         else:
-            s = predict_split(topo, shape, r["head_world"], r["ring_world"], links=False)
-            measured = max(r["rank_ms"].values())
-            out.append(f"   simulated {r['seq']:8d} W={r['world']:<3d} {r['head_world']} x {r['ring_world']:<3d} "
-                       f"efficiency {r['efficiency']:.3f} | {s.efficiency:.3f} ({_err(s.efficiency, r['efficiency'])})   "
-                       f"rank ms {measured:.2f} | {s.rank_ms:.2f} ({_err(s.rank_ms, measured)})")
+            out.append(_simulated_line("simulated", topo, shape, r, r["efficiency"], r["rank_ms"]))
+            if r.get("graph_efficiency") is not None and topo.graph_step_overhead_ms is not None:
+                g = topo.graph_step_overhead_ms
+                graphed = replace(topo, step_overhead_ms=(g, g), kernel_scale=(1.0, 1.0), step_host_ms=0.0)
+                out.append(_simulated_line("  graphed", graphed, shape, r, r["graph_efficiency"], r["graph_rank_ms"]))
     if out:
         files = ", ".join(sorted({r["_file"] for r in topo.checks}))
         out.insert(0, f"   measured vs predicted (rows of {files}; errors are predicted / measured - 1; simulated "
-                      "rows against the model with free links):")
+                      "rows against the model with free links, eager and, replayed from a CUDA graph, against "
+                      "the graphed model):")
     return out
+
+
+def _simulated_line(label, topo, shape, r, efficiency, rank_ms):
+    s = predict_split(topo, shape, r["head_world"], r["ring_world"], links=False)
+    measured = max(rank_ms.values())
+    return (f"   {label} {r['seq']:8d} W={r['world']:<3d} {r['head_world']} x {r['ring_world']:<3d} "
+            f"efficiency {efficiency:.3f} | {s.efficiency:.3f} ({_err(s.efficiency, efficiency)})   "
+            f"rank ms {measured:.2f} | {s.rank_ms:.2f} ({_err(s.rank_ms, measured)})")
 
 
 def report(topo, shape, worlds, max_head_group):

@@ -259,6 +259,29 @@ def test_measured_rows_in_the_calibration_are_printed_beside_the_prediction(tmp_
     assert f"rank ms 41.00 | {s.rank_ms:.2f} ({s.rank_ms / 41 - 1:+6.1%})" in out and str(path) in out
 
 
+def test_simulated_rows_replayed_from_a_graph_are_checked_against_the_graphed_model(tmp_path, capsys):
+    """The eager row meets the eager model (host floor and eager per-step overhead); the same
+    ranks replayed from a CUDA graph meet the model with the graphed overhead and no host floor."""
+    cal = _base()
+    row = dict(kind="simulated", backend="cute", world=64, head_world=1, ring_world=64, seq=1 << 17, causal=True,
+               heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", efficiency=0.3, rank_ms={"0": 50.0},
+               graph_efficiency=0.9, graph_rank_ms={"0": 14.0})
+    cal["checks"] = [row]
+    path = tmp_path / "calibration-h200.json"
+    path.write_text(json.dumps({k: v for k, v in cal.items() if k != "_file"}))
+    plan.main(["--preset", "h200-x2", "--backend", "cute", "--calibration", str(path), "--worlds", "2"])
+    out = capsys.readouterr().out
+    topo = plan.presets("cute", {"H200": plan.load_calibration(str(path)), "H100": _base() | {"gpu": "H100"}})["h200-x2"]
+    g = cal["step_overhead_graph"]["cute"]["ms"]
+    graphed = replace(topo, step_overhead_ms=(g, g), kernel_scale=(1.0, 1.0), step_host_ms=0.0)
+    shape = _shape(seq=1 << 17)
+    eager, replayed = (plan.predict_split(t, shape, 1, 64, links=False) for t in (topo, graphed))
+    assert replayed.rank_ms < eager.rank_ms  # the host floor binds these 1k-token steps eagerly
+    assert f"simulated   131072 W=64  1 x 64  efficiency 0.300 | {eager.efficiency:.3f}" in out
+    assert f"graphed   131072 W=64  1 x 64  efficiency 0.900 | {replayed.efficiency:.3f}" in out
+    assert f"rank ms 14.00 | {replayed.rank_ms:.2f}" in out
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--heads", "32", "--kv-heads", "5"], "--heads (32) must be a multiple of --kv-heads (5)"),
     (["--dtype", "fp8"], "--dtype must be one of"),
