@@ -23,8 +23,8 @@ also packing and unpacking its tensor in HBM; the ring then runs over R = W/U ra
 h/U heads (kv heads split, or one each when U exceeds them) of S/R tokens per rank. R = 1 is one
 call per rank on the whole sequence. efficiency = t(1 GPU) / (W * t(rank)).
 Kernel time = FLOPs (ringfa4.flops) / TFLOP/s of the backend at the step's own loop length (keys per
-query tile forward, queries per key tile backward; log-interpolated, clamped); link time = latency +
-bytes / bandwidth.
+query tile forward, queries per key tile backward, times the GQA heads a cute backward CTA walks;
+log-interpolated, clamped); link time = latency + bytes / bandwidth.
 
 Per-step overhead: eager, or (--graphed) with each rank's ring call captured whole in a CUDA graph,
 which issues no step from the host.
@@ -81,6 +81,7 @@ class Gpu:
     hbm_gbps: float  # nominal
     tflops: dict  # {(direction, causal): ((seq, TFLOP/s), ...)}
     source: str
+    sms: int = 132  # Hopper's; where a kernel splits work by the SMs it fills (cute's backward heads)
 
     def kernel_tflops(self, direction, causal, seq):
         """TFLOP/s at this call length: log-linear interpolation, clamped to the measured range."""
@@ -211,7 +212,7 @@ def presets(backend="fa4", calibrations=None, graphed=False):
                f"assumed: NVLink4's {ex['gbps'] / NVLINK4_NOMINAL_GBPS:.0%} of nominal in the {ex['source']} "
                f"[{cals['H200']['_file']}], of 900 GB/s")
     gb200 = Gpu("GB200", 8000.0, {k: tuple((s, t * BLACKWELL_OVER_HOPPER) for s, t in v) for k, v in h200.tflops.items()},
-                f"assumed: the H200 curves x {BLACKWELL_OVER_HOPPER} ({h200.source})")
+                f"assumed: the H200 curves x {BLACKWELL_OVER_HOPPER} ({h200.source})", sms=148)
     overhead = _graph_overhead if graphed else _overhead
     measured = overhead(cals["H200"], backend)
     if graphed and measured is None:
@@ -250,13 +251,26 @@ class Shape:
     elem: int  # bytes per q/k/v element
 
 
-def _kernel_ms(gpu, shape, direction, sq, sk, causal):
+def _loop(topo, shape, direction, sq, sk, causal):
+    """The length of each CTA's loop, what sets a kernel's efficiency in the kernel rows (they vary
+    only that; their CTA count is fixed): a forward CTA loops over the keys of one query tile, a
+    backward CTA over the queries of one key tile, and in cute's backward over those of every query
+    head of the GQA group it walks (the kernel rows have one query head per kv head)."""
+    if direction == "fwd":
+        return sk
+    if topo.backend != "cute":
+        return sq
+    from ringfa4.backends.cute.interface import head_splits
+
+    group = shape.heads // shape.kv_heads
+    splits = head_splits(1, sq, sk, shape.heads, shape.kv_heads, shape.head_dim, causal, False, topo.gpu.sms)
+    return sq * group // splits
+
+
+def _kernel_ms(topo, shape, direction, sq, sk, causal):
     work = flops.attention(1, sq, sk, shape.heads, shape.head_dim, causal, direction)
-    # The kernel rows vary only the length of each CTA's loop (their CTA count is fixed), and that
-    # length is what sets the kernel's efficiency: a forward CTA loops over the keys of one query
-    # tile, a backward CTA over the queries of one key tile.
-    loop = sk if direction == "fwd" else sq
-    return work / (gpu.kernel_tflops(direction, causal, loop) * 1e12) * 1e3
+    loop = _loop(topo, shape, direction, sq, sk, causal)
+    return work / (topo.gpu.kernel_tflops(direction, causal, loop) * 1e12) * 1e3
 
 
 def _hbm_ms(gpu, nbytes):
@@ -302,9 +316,9 @@ def _rank_ms(topo, shape, world, steps):
     over_f, over_b = topo.step_overhead_ms
     scale_f, scale_b = topo.kernel_scale
     host = topo.step_host_ms
-    fwd = [max(host, scale_f * _kernel_ms(gpu, shape, "fwd", *s) + _hbm_ms(gpu, n) + over_f)
+    fwd = [max(host, scale_f * _kernel_ms(topo, shape, "fwd", *s) + _hbm_ms(gpu, n) + over_f)
            for s, n in zip(steps, fwd_bytes)]
-    bwd = [max(host, scale_b * _kernel_ms(gpu, shape, "bwd", *s) + _hbm_ms(gpu, n) + over_b)
+    bwd = [max(host, scale_b * _kernel_ms(topo, shape, "bwd", *s) + _hbm_ms(gpu, n) + over_b)
            for s, n in zip(reversed(steps), bwd_bytes)]
     return fwd, bwd, _hbm_ms(gpu, outside)
 
@@ -332,7 +346,7 @@ class Prediction:
 
 def single_ms(topo, shape):
     s = shape.seq
-    return sum(scale * _kernel_ms(topo.gpu, shape, d, s, s, shape.causal)
+    return sum(scale * _kernel_ms(topo, shape, d, s, s, shape.causal)
                for d, scale in zip(("fwd", "bwd"), topo.kernel_scale))
 
 

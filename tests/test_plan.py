@@ -350,3 +350,13 @@ def test_refit_replaces_the_check_row_of_a_case_measured_again(tmp_path):
     second = plan.refit(first, [tmp_path / "new.json"])
     case = [c for c in second["checks"] if c.get("rank_ms") in ({"0": 40.0}, {"0": 36.0})]
     assert [c["efficiency"] for c in case] == [1.0] and len(second["checks"]) == len(first["checks"])
+
+
+def test_a_cute_backward_step_loops_over_the_query_heads_its_ctas_walk():
+    """GQA 32/8: a cute backward CTA walks its group's 4 query heads (no split with 16 K/V blocks
+    on 132 SMs), so the step runs at the kernel rows' TFLOP/s of a 4x longer loop; fa4's does not."""
+    shape = plan.Shape(32, 8, 128, 1 << 17, True, 2)
+    cute, fa4 = (plan.presets(b)["h200-x2"] for b in ("cute", "fa4"))
+    assert plan._loop(cute, shape, "bwd", 1024, 2048, False) == 4096
+    assert plan._loop(fa4, shape, "bwd", 1024, 2048, False) == 1024
+    assert plan._loop(cute, shape, "fwd", 1024, 2048, False) == 2048
