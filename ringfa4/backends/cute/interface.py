@@ -189,7 +189,8 @@ def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc
 DETERMINISTIC_SPLIT_KEYS = 8192
 
 
-def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, deterministic, sms):
+def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, deterministic, sms,
+                has_docs=False):
     """How many backward CTAs share the query heads of one (K/V block, kv head) (GQA).
 
     One CTA walking every query head of its group needs no dK/dV reduction, but with few K/V
@@ -204,7 +205,13 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
     0.93-0.96x with one (H200, 32/8 heads); so there, and where the default splits, it takes one
     query head per CTA, each share writing its own dK/dV for the host to sum in a fixed order.
     Otherwise those fp32 shares cost more than they save (0.59-0.90x of the default against
-    0.85-0.97x unsplit) and it does not split."""
+    0.85-0.97x unsplit) and it does not split.
+
+    With documents a K/V block walks only the query tiles its documents reach, so the blocks'
+    walks differ widely and the longest sets the kernel's time: non-causal calls (a ring's remote
+    steps) give every query head a CTA. On the simulated 8-rank document ring (128k tokens, 4k
+    documents, H200) the slowest rank went 16.7 -> 14.2 ms; dense non-causal steps run 5-20%
+    slower split, so they keep the rule above."""
     group = heads // kv_heads
     tile_m, tile_n = query_tile(head_dim), key_tile()
     m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
@@ -222,7 +229,7 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
         splits *= 2
     if deterministic:
         return group if causal and (splits > 1 or seqlen_k >= DETERMINISTIC_SPLIT_KEYS) else 1
-    return splits
+    return group if has_docs and not causal else splits
 
 
 def rotates(seqlen_k, causal, deterministic, sms):
@@ -260,7 +267,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     else:
         rows = query_rows(dout, out, lse, scale)
 
-    splits = head_splits(b, sq, sk, h, hk, d, causal, deterministic, _sms(q))
+    splits = head_splits(b, sq, sk, h, hk, d, causal, deterministic, _sms(q), doc_ids is not None)
     # fp32 dk/dv the kernel can address are added into by the kernel; else it writes new ones,
     # or, with split heads, sums them into zeroed fp32 ones; deterministic shares each add
     # into a head of their own, summed below.
