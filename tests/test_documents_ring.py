@@ -122,6 +122,44 @@ def test_one_document_per_row_is_the_dense_ring_bit_for_bit():
     run(_check_single_document, 2, random.randrange(2**31))
 
 
+def _check_bf16_partials(rank, world, seed):
+    torch_ref.BLOCK = 16
+    gen = torch.Generator().manual_seed(seed)
+    seq = 16 * world
+    row = [0, 5, 5 + seq // world + 3, seq - 4, seq]  # a document over several ranks
+    cu = torch.tensor(row, dtype=torch.int32)
+    tensors = [torch.randn(1, seq, n, 16, dtype=torch.float64, generator=gen) for n in (4, 2, 2, 4)]
+    full = [t.clone().requires_grad_() for t in tensors[:3]]
+    ref_out, _ = document_attention_fp64(*full, [row], True)
+    ref = torch.autograd.grad(ref_out, full, tensors[3])
+    given = []
+    backward = torch_ref.backward
+
+    def recording(*args, dk=None, dv=None, **kwargs):
+        given.append(None if dk is None else (dk.dtype, dv.dtype, kwargs.get("doc_ids") is not None))
+        return backward(*args, dk=dk, dv=dv, **kwargs)
+
+    torch_ref.backward = recording
+    try:
+        local = [ringfa4.shard(t.to(torch.bfloat16), layout="document_balanced", cu_seqlens=cu).requires_grad_()
+                 for t in tensors[:3]]
+        dout = ringfa4.shard(tensors[3].to(torch.bfloat16), layout="document_balanced", cu_seqlens=cu)
+        got = _run_ring(local, "document_balanced", True, None, cu, dout)[2:]
+    finally:
+        torch_ref.backward = backward
+    assert given and all(g == (torch.float32, torch.float32, True) for g in given), given
+    for what, g, r in zip(("dq", "dk", "dv"), got, ref):
+        r = ringfa4.shard(r, layout="document_balanced", cu_seqlens=cu)
+        err = (g.double() - r).abs().max().item()
+        assert g.dtype == torch.bfloat16 and err < 5e-2, f"rank {rank}: bf16 {what} error {err:.3g}"
+
+
+def test_ring_with_documents_sums_bf16_gradients_from_fp32_partials():
+    """Over more than two ranks the dK/dV sums are fp32: each backward call with documents adds
+    its gradients into fresh fp32 buffers, never rounding a partial to bf16 first."""
+    run(_check_bf16_partials, 3, random.randrange(2**31))
+
+
 def _check_skips(rank, world, seed):
     gen = torch.Generator().manual_seed(seed)
     # Zigzag over 3 ranks, 6 chunks of 4 (rank 0: chunks 0, 5; rank 1: 1, 4; rank 2: 2, 3); one

@@ -40,6 +40,17 @@ def _sum_dtype(x, lse, steps):
     return x.dtype if steps == 2 else lse.dtype
 
 
+def _fresh_sums(kv, rows, dtype, ids):
+    """dK/dV buffers for one backward call with documents to add its gradients into: zeros in the
+    sums' dtype where that is wider than the inputs'. Such calls give every query head a CTA
+    (ringfa4.backends.cute.interface.head_splits), which sums dK/dV in fp32 anyway: so they reach
+    the ring's fp32 sums without a bf16 copy made and widened again. Else none (the backend
+    returns new ones; a dense step's store in the input dtype is the cheaper one)."""
+    if dtype == kv[0].dtype or ids is None:
+        return {}
+    return {name: torch.zeros(t[:, rows].shape, dtype=dtype, device=t.device) for name, t in zip(("dk", "dv"), kv)}
+
+
 def _nbytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -95,9 +106,9 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
                   docs=None):
     """dq stays home in the backend's query state, which every step adds into.
 
-    ``ring`` turns the other way (sends to the previous rank). A step asks the backend for fresh
-    dK/dV of its block (no buffer to zero) while the sums of that block are still in flight from
-    the next rank, and adds them once they have arrived. The local step ends the sums of the
+    ``ring`` turns the other way (sends to the previous rank). A step has the backend put dK/dV
+    of its block in fresh buffers (_fresh_sums) while the sums of that block are still in flight
+    from the next rank, and adds them once they have arrived. The local step ends the sums of the
     rank's own block: they are the result.
     """
     rank, world = ring.rank, ring.world
@@ -108,6 +119,7 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
     count_saved("bwd", kv_saved + world - steps, (kv_saved + world - steps) * _nbytes(kv))
     chunk = row_chunk(layout, causal, q.shape[1], narrowed=docs is not None)
     queries = backend.query_state(dout, q, out, lse, softmax_scale, chunk)
+    sum_dtype = _sum_dtype(k, lse, steps)
     dkv = inbox = None
     dkv_works = []
     for j in range(steps):
@@ -122,11 +134,10 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
             _, *g = backend.backward(
                 dout[:, rows], q[:, rows], kv[0][:, step.kv], kv[1][:, step.kv], out[:, rows],
                 lse[:, :, rows], step.causal, softmax_scale, dq=queries.rows(rows), deterministic=deterministic,
-                **call_kwargs(ids),
+                **_fresh_sums(kv, step.kv, sum_dtype, ids), **call_kwargs(ids),
             )
             grads.append((step.kv, g))
         if j == 0:  # this block's sums start here
-            sum_dtype = _sum_dtype(kv[0], lse, steps)
             if len(grads) == 1 and grads[0][0] == slice(0, k.shape[1]):
                 dkv = [g.to(sum_dtype) for g in grads.pop()[1]]
             else:
