@@ -40,15 +40,16 @@ def _sum_dtype(x, lse, steps):
     return x.dtype if steps == 2 else lse.dtype
 
 
-def _fresh_sums(kv, rows, dtype, ids):
-    """dK/dV buffers for one backward call with documents to add its gradients into: zeros in the
-    sums' dtype where that is wider than the inputs'. Such calls give every query head a CTA
-    (ringfa4.backends.cute.interface.head_splits), which sums dK/dV in fp32 anyway: so they reach
-    the ring's fp32 sums without a bf16 copy made and widened again. Else none (the backend
-    returns new ones; a dense step's store in the input dtype is the cheaper one)."""
-    if dtype == kv[0].dtype or ids is None:
+def _fresh_sums(kv, step, dtype, ids):
+    """dK/dV buffers for one backward call to add its gradients into: zeros in the sums' dtype
+    for a non-causal call with documents where the sums are wider than the inputs. Such calls
+    give every query head a CTA (ringfa4.backends.cute.interface.head_splits), which sums dK/dV
+    in fp32 anyway: so they reach the ring's fp32 sums without a bf16 copy made and widened
+    again, and the call holds one buffer instead of two. Else none: the backend returns new
+    ones (a dense or causal step stores them in the input dtype, half the memory)."""
+    if dtype == kv[0].dtype or ids is None or step.causal:
         return {}
-    return {name: torch.zeros(t[:, rows].shape, dtype=dtype, device=t.device) for name, t in zip(("dk", "dv"), kv)}
+    return {name: torch.zeros(t[:, step.kv].shape, dtype=dtype, device=t.device) for name, t in zip(("dk", "dv"), kv)}
 
 
 def _nbytes(tensors):
@@ -134,7 +135,7 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
             _, *g = backend.backward(
                 dout[:, rows], q[:, rows], kv[0][:, step.kv], kv[1][:, step.kv], out[:, rows],
                 lse[:, :, rows], step.causal, softmax_scale, dq=queries.rows(rows), deterministic=deterministic,
-                **_fresh_sums(kv, step.kv, sum_dtype, ids), **call_kwargs(ids),
+                **_fresh_sums(kv, step, sum_dtype, ids), **call_kwargs(ids),
             )
             grads.append((step.kv, g))
         if j == 0:  # this block's sums start here

@@ -189,10 +189,6 @@ def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc
 DETERMINISTIC_SPLIT_KEYS = 8192
 
 
-# Causal calls with documents split their query heads up to this many waves of unsplit CTAs.
-DOC_SPLIT_WAVES = 8
-
-
 def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, deterministic, sms,
                 has_docs=False):
     """How many backward CTAs share the query heads of one (K/V block, kv head) (GQA).
@@ -213,12 +209,9 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
 
     With documents a K/V block walks only the query tiles its documents reach, so the blocks'
     walks differ widely and the longest sets the kernel's time: non-causal calls (a ring's remote
-    steps) give every query head a CTA, and so do causal ones of at most DOC_SPLIT_WAVES waves of
-    unsplit CTAs (a ring's local step). On the simulated 8-rank document ring (128k tokens, 4k
-    documents) the slowest rank went 16.7 -> 14.2 ms with the non-causal calls split (H200) and
-    15.1 -> 14.7 ms with its 16k local step split too (H100; 14.2 with the ring's fp32 dK/dV
-    partials); one-GPU causal calls over 32k and 128k tokens ran 0.99-1.04x as long split, so
-    they keep the rule above, as do dense non-causal steps (5-20% slower split)."""
+    steps) give every query head a CTA. On the simulated 8-rank document ring (128k tokens, 4k
+    documents, H200) the slowest rank went 16.7 -> 14.2 ms; dense non-causal steps run 5-20%
+    slower split, so they keep the rule above."""
     group = heads // kv_heads
     tile_m, tile_n = query_tile(head_dim), key_tile()
     m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
@@ -236,9 +229,7 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
         splits *= 2
     if deterministic:
         return group if causal and (splits > 1 or seqlen_k >= DETERMINISTIC_SPLIT_KEYS) else 1
-    if has_docs and (not causal or ctas <= DOC_SPLIT_WAVES * sms):
-        return group
-    return splits
+    return group if has_docs and not causal else splits
 
 
 def rotates(seqlen_k, causal, deterministic, sms):
