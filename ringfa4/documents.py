@@ -26,8 +26,11 @@ layouts place them for the ring's sake; each rank holds its positions in increas
     pieces of equal work on consecutive ranks (at most W/2 of them); one that needs more, or finds
     no room, cut as document_zigzag cuts it. The shortest documents (up to an eighth of the
     tokens) then fill the room left, rank by rank, one cut at each rank's end and continued on the
-    next. Where that leaves the worst rank more than 8% over the mean, the longest documents are
-    folded first (1, 2, 4, ... of them, at most all: document_zigzag). Every rank holds exactly
+    next. That placement is tried with the longest 0, 1, 2, 4, ... documents folded first (at
+    most all: document_zigzag), and with documents that find no consecutive ranks folded or left
+    to the fill; of those leaving no rank more than 8% over the mean, the one with the least
+    modelled ring time (_Packing.cost: folded pieces are short, and every other rank's block a
+    rank reads is a ring step) is taken. Every rank holds exactly
     L/W tokens, most documents sit on one rank, and a ring needs only as many steps as the
     farthest piece a rank must reach (ringfa4.ring.documents); one folded document makes it W.
 """
@@ -144,6 +147,7 @@ class _Packing:
         self.docs = list(zip(row[:-1], row[1:]))
         self.target = sum(_pairs(b - a) for a, b in self.docs) / world  # an even share of the work
         self.room, self.work, self.out = [self.share] * world, [0] * world, []
+        self.held = {}  # document -> [(start, stop, rank)] of its pieces
         self.span = max(2, world // 2)  # the most consecutive ranks one document takes: hops for the ring
         self.folds = {d: [] for d in range(len(self.docs))}
         for d, p, a, b in pieces(row, world):
@@ -156,9 +160,24 @@ class _Packing:
         """The worst rank's causal work over the mean."""
         return max(self.work) * self.world / max(1, sum(self.work))
 
+    def cost(self):
+        """The slowest rank's modelled ring time, in pairs: every (query piece, earlier key piece)
+        pair of a document counted out to whole tiles (TILE_ROWS; a short piece wastes most of
+        its tiles), and STEP_PAIRS for every other rank whose block the rank reads."""
+        work, reads = [0.0] * self.world, [0] * self.world
+        for held in self.held.values():
+            keys, ranks = 0, 0  # tile-rounded rows of the pieces so far, and their ranks (a bit mask)
+            for a, b, rank in sorted(held):
+                n = b - a + TILE_ROWS
+                work[rank] += n * n / 2 + n * keys
+                reads[rank] |= ranks & ~(1 << rank)
+                keys, ranks = keys + n, ranks | 1 << rank
+        return max(w + STEP_PAIRS * bin(m).count("1") for w, m in zip(work, reads))
+
     def place(self, rank, d, a, b):
         first = self.docs[d][0]
         self.out.append((rank, a, b))
+        self.held.setdefault(d, []).append((a, b, rank))
         self.room[rank] -= b - a
         self.work[rank] += _pairs(b - first) - _pairs(a - first)
 
@@ -233,26 +252,32 @@ def balanced_pieces(row, world):
 # How far the worst rank's causal work may exceed the mean before more documents are folded
 # (issue 14 asks for 1.10; whole documents leave steps of their own size).
 BALANCE_BOUND = 1.08
+# _Packing.cost's model of a rank's ring time, fitted to a profile of the simulated 8-rank ring
+# (H100, 32/8 heads, hdim 128, 4k documents, 2026-11-25): a step over another rank's block costs
+# ~0.5 ms beyond its pairs (passes, launches, short walks), ~5.6M pairs at the ~11M pairs/ms its
+# kernels ran; pieces are computed in tiles of 128 rows.
+STEP_PAIRS = 5_600_000
+TILE_ROWS = 128
 
 
 @functools.lru_cache(maxsize=64)
 def _balanced_pieces(row, world):
     """balanced_pieces, once per row: every rank's positions come from the same placement. Whole
     documents do not always divide evenly (a rank left with room only for a heavy suffix), so
-    where the worst rank exceeds BALANCE_BOUND x the mean, the longest 1, 2, 4, ... documents
-    are folded first; folding all of them is document_zigzag, exactly even. The first placement
-    within the bound is taken, else the most even one tried."""
+    the placement is tried with the longest 0, 1, 2, 4, ... documents folded first (folding all
+    is document_zigzag, exactly even) and with documents that find no consecutive ranks folded
+    or left to the fill; the cheapest (_Packing.cost) within BALANCE_BOUND x the mean is taken,
+    else the most even."""
     count = len(row) - 1
-    tried = []
-    for folded in [0] + [1 << i for i in range(count.bit_length())] + [count]:
-        tried.append(_placement(row, world, folded))
-        if tried[-1].imbalance() <= BALANCE_BOUND:
-            break
-    return tuple(min(tried, key=_Packing.imbalance).out)
+    tried = [_placement(row, world, folded, fold_misfits) for fold_misfits in (True, False)
+             for folded in sorted({0, count} | {1 << i for i in range(count.bit_length())})]
+    even = [pack for pack in tried if pack.imbalance() <= BALANCE_BOUND]
+    return tuple((min(even, key=_Packing.cost) if even else min(tried, key=_Packing.imbalance)).out)
 
 
-def _placement(row, world, folded):
-    """The greedy placement with the ``folded`` longest documents folded first."""
+def _placement(row, world, folded, fold_misfits):
+    """The greedy placement with the ``folded`` longest documents folded first; ``fold_misfits``:
+    a document that finds no consecutive ranks is folded, else left to the fill."""
     pack = _Packing(row, world)
     longest = sorted(range(len(pack.docs)), key=lambda d: -pack.length(d))
     # Those and documents needing more ranks than a span fold first, while every rank has room for them.
@@ -262,7 +287,7 @@ def _placement(row, world, folded):
     while longest and sum(map(pack.length, kept)) + pack.length(longest[-1]) <= row[-1] // 8:
         kept.append(longest.pop())
     for d in longest:
-        if not (pack.consecutive(d) or pack.fold(d)):
+        if not (pack.consecutive(d) or (fold_misfits and pack.fold(d))):
             kept.append(d)
     pack.fill(kept)
     return pack

@@ -146,6 +146,23 @@ def test_document_balanced_keeps_every_rank_within_the_bound_where_whole_documen
         assert tokens == [row[-1] // world] * world
 
 
+def test_document_balanced_takes_the_placement_of_least_modelled_ring_time_within_the_bound():
+    """Of the placements within BALANCE_BOUND the cheapest by _Packing.cost is taken, not the
+    first: on the 128k 4k-document mix at W = 4 a placement that folds no document (each is whole
+    or on neighbouring ranks) lets the ring stop after 2 of 4 steps, where folding one would have
+    every rank read every block; a folded document costs more than the same one whole."""
+    from ringfa4.ring import balance
+    from ringfa4.ring.documents import RingDocuments
+
+    row = balance.document_mix(1 << 17, seed=0, long_docs=0)
+    assert balance.imbalance(row, 4, "document_balanced") <= documents.BALANCE_BOUND
+    assert RingDocuments([row], 0, 4, "document_balanced", 1 << 17, torch.device("cpu")).steps(True) == 2
+    folded, whole = (documents._Packing([0, 4096, 8192], 2) for _ in range(2))
+    assert folded.fold(0) and folded.fold(1)
+    whole.place(0, 0, 0, 4096), whole.place(1, 1, 4096, 8192)
+    assert folded.imbalance() == whole.imbalance() == 1.0 and folded.cost() > whole.cost()
+
+
 def test_plan_prints_the_documents_balance():
     import subprocess
     import sys
