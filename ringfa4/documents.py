@@ -138,6 +138,15 @@ def _pairs(n):
     return n * (n + 1) // 2
 
 
+@functools.lru_cache(maxsize=8)
+def _folds(row, world):
+    """Per document of ``row``, its pieces as document_zigzag cuts it: [(rank, start, stop)]."""
+    folds = {d: [] for d in range(len(row) - 1)}
+    for d, p, a, b in pieces(row, world):
+        folds[d].append((zigzag_rank(p, world), a, b))
+    return folds
+
+
 class _Packing:
     """document_balanced's placement of one row's documents: each rank's room (tokens) and causal
     work so far, and the pieces placed."""
@@ -149,9 +158,7 @@ class _Packing:
         self.room, self.work, self.out = [self.share] * world, [0] * world, []
         self.held = {}  # document -> [(start, stop, rank)] of its pieces
         self.span = max(2, world // 2)  # the most consecutive ranks one document takes: hops for the ring
-        self.folds = {d: [] for d in range(len(self.docs))}
-        for d, p, a, b in pieces(row, world):
-            self.folds[d].append((zigzag_rank(p, world), a, b))
+        self.folds = _folds(tuple(row), world)
 
     def length(self, d):
         return self.docs[d][1] - self.docs[d][0]
@@ -265,14 +272,27 @@ def _balanced_pieces(row, world):
     """balanced_pieces, once per row: every rank's positions come from the same placement. Whole
     documents do not always divide evenly (a rank left with room only for a heavy suffix), so
     the placement is tried with the longest 0, 1, 2, 4, ... documents folded first (folding all
-    is document_zigzag, exactly even) and with documents that find no consecutive ranks folded
-    or left to the fill; the cheapest (_Packing.cost) within BALANCE_BOUND x the mean is taken,
-    else the most even."""
+    is document_zigzag, exactly even), with documents that find no consecutive ranks folded or
+    left to the fill; the cheapest (_Packing.cost) within BALANCE_BOUND x the mean is taken,
+    else the most even. Once within the bound, folding more only cuts more documents short: a
+    sequence stops at the first placement that costs more than the one before it."""
     count = len(row) - 1
-    tried = [_placement(row, world, folded, fold_misfits) for fold_misfits in (True, False)
-             for folded in sorted({0, count} | {1 << i for i in range(count.bit_length())})]
-    even = [pack for pack in tried if pack.imbalance() <= BALANCE_BOUND]
-    return tuple((min(even, key=_Packing.cost) if even else min(tried, key=_Packing.imbalance)).out)
+    counts = sorted({0, count} | {1 << i for i in range(count.bit_length())})
+    tried, best = [], None  # best: (cost, placement) of the cheapest within the bound
+    for fold_misfits in (True, False):
+        last = math.inf
+        for folded in counts:
+            pack = _placement(row, world, folded, fold_misfits)
+            tried.append(pack)
+            if pack.imbalance() > BALANCE_BOUND:
+                continue
+            cost = pack.cost()
+            if cost > last:
+                break
+            last = cost
+            if best is None or cost < best[0]:
+                best = (cost, pack)
+    return tuple((best[1] if best else min(tried, key=_Packing.imbalance)).out)
 
 
 def _placement(row, world, folded, fold_misfits):
