@@ -34,6 +34,7 @@ layouts place them for the ring's sake; each rank holds its positions in increas
     L/W tokens, most documents sit on one rank, and a ring needs only as many steps as the
     farthest piece a rank must reach (ringfa4.ring.documents); one folded document makes it W.
 """
+import bisect
 import functools
 import math
 import zlib
@@ -156,7 +157,6 @@ class _Packing:
         self.docs = list(zip(row[:-1], row[1:]))
         self.target = sum(_pairs(b - a) for a, b in self.docs) / world  # an even share of the work
         self.room, self.work, self.out = [self.share] * world, [0] * world, []
-        self.held = {}  # document -> [(start, stop, rank)] of its pieces
         self.span = max(2, world // 2)  # the most consecutive ranks one document takes: hops for the ring
         self.folds = _folds(tuple(row), world)
 
@@ -171,10 +171,14 @@ class _Packing:
         """The slowest rank's modelled ring time, in pairs: every (query piece, earlier key piece)
         pair of a document counted out to whole tiles (TILE_ROWS; a short piece wastes most of
         its tiles), and STEP_PAIRS for every other rank whose block the rank reads."""
+        starts = [a for a, _ in self.docs]
+        held = {}  # document -> [(start, stop, rank)] of its pieces
+        for rank, a, b in self.out:
+            held.setdefault(bisect.bisect_right(starts, a) - 1, []).append((a, b, rank))
         work, reads = [0.0] * self.world, [0] * self.world
-        for held in self.held.values():
+        for pieces_of_doc in held.values():
             keys, ranks = 0, 0  # tile-rounded rows of the pieces so far, and their ranks (a bit mask)
-            for a, b, rank in sorted(held):
+            for a, b, rank in sorted(pieces_of_doc):
                 n = b - a + TILE_ROWS
                 work[rank] += n * n / 2 + n * keys
                 reads[rank] |= ranks & ~(1 << rank)
@@ -184,7 +188,6 @@ class _Packing:
     def place(self, rank, d, a, b):
         first = self.docs[d][0]
         self.out.append((rank, a, b))
-        self.held.setdefault(d, []).append((a, b, rank))
         self.room[rank] -= b - a
         self.work[rank] += _pairs(b - first) - _pairs(a - first)
 
