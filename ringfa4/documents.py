@@ -28,15 +28,17 @@ layouts place them for the ring's sake; each rank holds its positions in increas
     tokens) then fill the room left, rank by rank, one cut at each rank's end and continued on the
     next. That placement is tried with the longest 0, 1, 2, 4, ... documents folded first (at
     most all: document_zigzag), and with documents that find no consecutive ranks folded or left
-    to the fill; of those leaving no rank more than 8% over the mean, the one with the least
-    modelled ring time (_Packing.cost: folded pieces are short, and every other rank's block a
-    rank reads is a ring step) is taken. Every rank holds exactly
+    to the fill; besides it, every document chained in one order, each continued on the next
+    rank where it does not fit, the order found by a short local search. Of those leaving no rank
+    more than 8% over the mean, the one with the least modelled ring time (_Packing.cost: folded
+    pieces are short, and every other rank's block a rank reads is a ring step) is taken. Every
+    rank holds exactly
     L/W tokens, most documents sit on one rank, and a ring needs only as many steps as the
     farthest piece a rank must reach (ringfa4.ring.documents); one folded document makes it W.
 """
-import bisect
 import functools
 import math
+import random
 import zlib
 
 import torch
@@ -149,14 +151,16 @@ def _folds(row, world):
 
 
 class _Packing:
-    """document_balanced's placement of one row's documents: each rank's room (tokens) and causal
-    work so far, and the pieces placed."""
+    """document_balanced's placement of one row's documents: each rank's room (tokens), causal
+    work and modelled ring time so far, and the pieces placed."""
 
     def __init__(self, row, world):
         self.world, self.share = world, row[-1] // world
         self.docs = list(zip(row[:-1], row[1:]))
         self.target = sum(_pairs(b - a) for a, b in self.docs) / world  # an even share of the work
         self.room, self.work, self.out = [self.share] * world, [0] * world, []
+        self.model, self.reads = [0.0] * world, [0] * world  # cost()'s terms per rank
+        self.seen = {}  # document -> (tile-rounded rows of its pieces so far, their ranks as a bit mask)
         self.span = max(2, world // 2)  # the most consecutive ranks one document takes: hops for the ring
         self.folds = _folds(tuple(row), world)
 
@@ -170,26 +174,29 @@ class _Packing:
     def cost(self):
         """The slowest rank's modelled ring time, in pairs: every (query piece, earlier key piece)
         pair of a document counted out to whole tiles (TILE_ROWS; a short piece wastes most of
-        its tiles), and STEP_PAIRS for every other rank whose block the rank reads."""
-        starts = [a for a, _ in self.docs]
-        held = {}  # document -> [(start, stop, rank)] of its pieces
-        for rank, a, b in self.out:
-            held.setdefault(bisect.bisect_right(starts, a) - 1, []).append((a, b, rank))
-        work, reads = [0.0] * self.world, [0] * self.world
-        for pieces_of_doc in held.values():
-            keys, ranks = 0, 0  # tile-rounded rows of the pieces so far, and their ranks (a bit mask)
-            for a, b, rank in sorted(pieces_of_doc):
-                n = b - a + TILE_ROWS
-                work[rank] += n * n / 2 + n * keys
-                reads[rank] |= ranks & ~(1 << rank)
-                keys, ranks = keys + n, ranks | 1 << rank
-        return max(w + STEP_PAIRS * bin(m).count("1") for w, m in zip(work, reads))
+        its tiles), and STEP_PAIRS for every other rank whose block the rank reads (place()
+        keeps both terms per rank)."""
+        return max(w + STEP_PAIRS * bin(m).count("1") for w, m in zip(self.model, self.reads))
+
+    def copy(self):
+        twin = object.__new__(_Packing)
+        twin.__dict__.update(self.__dict__)
+        for name in ("room", "work", "out", "model", "reads"):
+            setattr(twin, name, list(getattr(self, name)))
+        twin.seen = dict(self.seen)
+        return twin
 
     def place(self, rank, d, a, b):
+        """Piece [a, b) of document d on ``rank``; a document's pieces come in increasing order."""
         first = self.docs[d][0]
         self.out.append((rank, a, b))
         self.room[rank] -= b - a
         self.work[rank] += _pairs(b - first) - _pairs(a - first)
+        keys, ranks = self.seen.get(d, (0, 0))
+        n = b - a + TILE_ROWS
+        self.model[rank] += n * n / 2 + n * keys
+        self.reads[rank] |= ranks & ~(1 << rank)
+        self.seen[d] = (keys + n, ranks | 1 << rank)
 
     def fold(self, d):
         """Document d cut as document_zigzag cuts it (the same work on every rank), if there is room."""
@@ -228,6 +235,19 @@ class _Packing:
         for j in range(k):
             self.place(start + j, d, cuts[j], cuts[j + 1])
         return True
+
+    def chain(self, order):
+        """The documents of ``order`` one after another into the room left, rank by rank: one that
+        does not fit continues on the next rank (pieces on consecutive ranks, one hop each)."""
+        rank = 0
+        for d in order:
+            a, b = self.docs[d]
+            while a < b:
+                while self.room[rank] == 0:
+                    rank += 1
+                stop = a + min(self.room[rank], b - a)
+                self.place(rank, d, a, stop)
+                a = stop
 
     def fill(self, kept):
         """The room left, rank by rank, from ``kept``: documents that fit whole (under the target
@@ -274,14 +294,15 @@ TILE_ROWS = 128
 def _balanced_pieces(row, world):
     """balanced_pieces, once per row: every rank's positions come from the same placement. Whole
     documents do not always divide evenly (a rank left with room only for a heavy suffix), so
-    the placement is tried with the longest 0, 1, 2, 4, ... documents folded first (folding all
-    is document_zigzag, exactly even), with documents that find no consecutive ranks folded or
-    left to the fill; the cheapest (_Packing.cost) within BALANCE_BOUND x the mean is taken,
-    else the most even. Once within the bound, folding more only cuts more documents short: a
-    sequence stops at the first placement that costs more than the one before it."""
+    the greedy placement is tried with the longest 0, 1, 2, 4, ... documents folded first
+    (folding all is document_zigzag, exactly even), with documents that find no consecutive
+    ranks folded or left to the fill, and the chained placements are tried too; the cheapest
+    (_Packing.cost) within BALANCE_BOUND x the mean is taken, else the most even. Once within
+    the bound, folding more only cuts more documents short: a sequence stops at the first
+    placement that costs more than the one before it."""
     count = len(row) - 1
     counts = sorted({0, count} | {1 << i for i in range(count.bit_length())})
-    tried, best = [], None  # best: (cost, placement) of the cheapest within the bound
+    tried = []
     for fold_misfits in (True, False):
         last = math.inf
         for folded in counts:
@@ -289,13 +310,12 @@ def _balanced_pieces(row, world):
             tried.append(pack)
             if pack.imbalance() > BALANCE_BOUND:
                 continue
-            cost = pack.cost()
-            if cost > last:
+            if pack.cost() > last:
                 break
-            last = cost
-            if best is None or cost < best[0]:
-                best = (cost, pack)
-    return tuple((best[1] if best else min(tried, key=_Packing.imbalance)).out)
+            last = pack.cost()
+    tried += [_chained(row, world, folded) for folded in CHAINED_FOLDS if folded < count]
+    within = [pack for pack in tried if pack.imbalance() <= BALANCE_BOUND]
+    return tuple((min(within, key=_Packing.cost) if within else min(tried, key=_Packing.imbalance)).out)
 
 
 def _placement(row, world, folded, fold_misfits):
@@ -314,6 +334,50 @@ def _placement(row, world, folded, fold_misfits):
             kept.append(d)
     pack.fill(kept)
     return pack
+
+
+# The chained placements: how many of the longest documents are folded first, and the moves of
+# their local search (fewer where a row holds many documents: each move places the row anew,
+# CHAIN_BUDGET bounds moves x documents and with it the host time of a new cu_seqlens).
+CHAINED_FOLDS = (0,)
+CHAIN_MOVES = 1500
+CHAIN_BUDGET = 60_000
+CHAIN_PATIENCE = 400  # moves without a better placement before the search stops
+
+
+def _chained(row, world, folded):
+    """The ``folded`` longest documents folded, the rest chained (_Packing.chain) in the order a
+    local search finds: from the longest and the shortest alternating, a random document moved
+    or two swapped (a fixed seed: every rank finds the same), each change kept that is no worse
+    by (excess over BALANCE_BOUND, cost). Unlike the greedy placement, a document's cut follows
+    from the order, which lets a heavy suffix share its rank with light whole documents."""
+    pack = _Packing(row, world)
+    longest = sorted(range(len(pack.docs)), key=lambda d: -pack.length(d))
+    rest = [d for i, d in enumerate(longest) if not (i < folded and pack.fold(d))]
+    order = [d for pair in zip(rest, reversed(rest)) for d in pair][:len(rest)]
+
+    def placed(order):
+        twin = pack.copy()
+        twin.chain(order)
+        return (max(0.0, twin.imbalance() - BALANCE_BOUND), twin.cost()), twin
+
+    best, best_pack = placed(order)
+    rng, n, last = random.Random(0), len(order), 0
+    for move in range(min(CHAIN_MOVES, CHAIN_BUDGET // n) if n > 1 else 0):
+        if move - last > CHAIN_PATIENCE:
+            break
+        i, j = rng.randrange(n), rng.randrange(n)
+        trial = list(order)
+        if rng.random() < 0.5:
+            trial[i], trial[j] = trial[j], trial[i]
+        else:
+            trial.insert(j, trial.pop(i))
+        score, twin = placed(trial)
+        if score < best:
+            last = move
+        if score <= best:
+            order, best, best_pack = trial, score, twin
+    return best_pack
 
 
 def held_positions(rows, rank, world, layout):
