@@ -313,7 +313,7 @@ def _balanced_pieces(row, world):
             if pack.cost() > last:
                 break
             last = pack.cost()
-    tried += [_chained(row, world, folded) for folded in CHAINED_FOLDS if folded < count]
+    tried += [_chained(row, world, split) for split in CHAINED_SPLITS if split < count]
     within = [pack for pack in tried if pack.imbalance() <= BALANCE_BOUND]
     return tuple((min(within, key=_Packing.cost) if within else min(tried, key=_Packing.imbalance)).out)
 
@@ -336,24 +336,26 @@ def _placement(row, world, folded, fold_misfits):
     return pack
 
 
-# The chained placements: how many of the longest documents are folded first, and the moves of
-# their local search (fewer where a row holds many documents: each move places the row anew,
-# CHAIN_BUDGET bounds moves x documents and with it the host time of a new cu_seqlens).
-CHAINED_FOLDS = (0,)
+# The chained placements: how many of the longest documents are first placed in consecutive
+# pieces of equal work (_Packing.consecutive), and the moves of their local search (fewer where
+# a row holds many documents: each move places the row anew, CHAIN_BUDGET bounds moves x
+# documents and with it the host time of a new cu_seqlens).
+CHAINED_SPLITS = (0, 2)
 CHAIN_MOVES = 1500
 CHAIN_BUDGET = 60_000
 CHAIN_PATIENCE = 400  # moves without a better placement before the search stops
 
 
-def _chained(row, world, folded):
-    """The ``folded`` longest documents folded, the rest chained (_Packing.chain) in the order a
-    local search finds: from the longest and the shortest alternating, a random document moved
-    or two swapped (a fixed seed: every rank finds the same), each change kept that is no worse
-    by (excess over BALANCE_BOUND, cost). Unlike the greedy placement, a document's cut follows
-    from the order, which lets a heavy suffix share its rank with light whole documents."""
+def _chained(row, world, split):
+    """The ``split`` longest documents in consecutive pieces of equal work where they find the
+    ranks, the rest chained (_Packing.chain) in the order a local search finds: from the longest
+    and the shortest alternating, a random document moved or two swapped (a fixed seed: every
+    rank finds the same), each change kept that is no worse by (excess over BALANCE_BOUND, cost).
+    Unlike the greedy placement, a document's cut follows from the order, which lets a heavy
+    suffix share its rank with light whole documents."""
     pack = _Packing(row, world)
     longest = sorted(range(len(pack.docs)), key=lambda d: -pack.length(d))
-    rest = [d for i, d in enumerate(longest) if not (i < folded and pack.fold(d))]
+    rest = [d for i, d in enumerate(longest) if not (i < split and pack.consecutive(d))]
     order = [d for pair in zip(rest, reversed(rest)) for d in pair][:len(rest)]
 
     def placed(order):

@@ -200,7 +200,7 @@ def _long_block_cases(world, rng):
 
 def _check_long_blocks(rank, world, seed, split_rows):
     documents_ring.SPLIT_ROWS = split_rows
-    documents.CHAINED_FOLDS = _GREEDY_ONLY[split_rows == 64]
+    documents.CHAINED_SPLITS = _GREEDY_ONLY[split_rows == 64]
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     for layout, causal, row in _long_block_cases(world, rng):
@@ -212,7 +212,7 @@ def _check_long_blocks(rank, world, seed, split_rows):
 # With SPLIT_ROWS 64, document_balanced places the rows as its greedy placements do: folded documents
 # among whole ones, shared by a step with rows that see nothing between them (the chained
 # placements share one document per neighbour, which no step splits).
-_GREEDY_ONLY = {False: documents.CHAINED_FOLDS, True: ()}
+_GREEDY_ONLY = {False: documents.CHAINED_SPLITS, True: ()}
 
 
 @pytest.mark.parametrize("world, split_rows", [(2, documents_ring.SPLIT_ROWS), (2, 64), (3, 64)])
@@ -228,7 +228,7 @@ def test_a_step_calls_the_backend_over_the_rows_that_share_documents_only(monkey
     edges, and the ids given are those of the rows called. With a short SPLIT_ROWS steps split
     into several calls."""
     monkeypatch.setattr(documents_ring, "SPLIT_ROWS", split_rows)
-    monkeypatch.setattr(documents, "CHAINED_FOLDS", _GREEDY_ONLY[split_rows == 64])
+    monkeypatch.setattr(documents, "CHAINED_SPLITS", _GREEDY_ONLY[split_rows == 64])
     documents._balanced_pieces.cache_clear()
     rng = random.Random(0)
     narrower = split = 0
