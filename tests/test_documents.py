@@ -1,5 +1,6 @@
 """Packed documents on one device: attention(cu_seqlens=) against per-document fp64 attention,
 the document_zigzag layout's pieces, and bad cu_seqlens named in the error."""
+import bisect
 import itertools
 import random
 
@@ -161,6 +162,28 @@ def test_document_balanced_takes_the_placement_of_least_modelled_ring_time_withi
     assert folded.fold(0) and folded.fold(1)
     whole.place(0, 0, 0, 4096), whole.place(1, 1, 4096, 8192)
     assert folded.imbalance() == whole.imbalance() == 1.0 and folded.cost() > whole.cost()
+
+
+def test_document_balanced_chains_documents_too_heavy_for_one_rank_instead_of_folding_them():
+    """At W = 8 the 128k mix's longest document (~16k tokens) has more work than a rank can carry
+    beside whole documents: greedy placements fold it over all 8 ranks (a ring of 8 steps); a
+    chained order puts its suffix beside light documents, read by one neighbour only (seed 0: 2
+    steps), or chains the rest after the longest two take consecutive pieces (seed 1: 4 steps)."""
+    from ringfa4.ring import balance
+    from ringfa4.ring.documents import RingDocuments
+
+    for seed, steps in ((0, 2), (1, 4)):
+        row = balance.document_mix(1 << 17, seed=seed, long_docs=0)
+        assert balance.imbalance(row, 8, "document_balanced") <= documents.BALANCE_BOUND
+        ring = RingDocuments([row], 0, 8, "document_balanced", 1 << 17, torch.device("cpu"))
+        assert ring.steps(True) == steps, seed
+        greedy = min((documents._placement(tuple(row), 8, folded, misfits) for folded in (0, 1, 2, 4)
+                      for misfits in (True, False)), key=lambda pack: (pack.imbalance() > documents.BALANCE_BOUND,
+                                                                      pack.cost()))
+        chosen = documents._Packing(row, 8)
+        for rank, a, b in sorted(documents.balanced_pieces(row, 8), key=lambda piece: piece[1]):
+            chosen.place(rank, bisect.bisect_right(row, a) - 1, a, b)
+        assert chosen.cost() < 0.75 * greedy.cost(), seed
 
 
 def test_plan_prints_the_documents_balance():
