@@ -9,8 +9,9 @@ tokens/s and peak memory of a training step.
 
 The model is transformers' LlamaForCausalLM built from a config of Llama 3.2 1B's shape (random
 weights, nothing downloaded): 16 layers, hidden 2048, 32 query / 8 kv heads of 128, ffn 8192,
-vocab 128256, tied embeddings; AdamW, activation checkpointing (transformers'
-gradient_checkpointing_enable), one sequence per step. One model serves both contenders, which
+vocab 128256, tied embeddings; AdamW, activation checkpointing (--activation-checkpointing,
+ringfa4.hf.enable_checkpointing: "full" recomputes every layer, "selective" all but the attention,
+ours or SDPA's alike), one sequence per step. One model serves both contenders, which
 take turns (bench/measure.py Timer: 1 warm-up step each, then rounds, median kept).
 
 One GPU (python): bf16 parameters; only ``model.set_attn_implementation`` changes between
@@ -219,12 +220,13 @@ def run_one_gpu(args, seq_lens):
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf.enable_checkpointing(model, args.activation_checkpointing)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=device.type == "cuda")
     timer = measure.Timer(device, rounds=args.rounds or (1 if args.smoke else 3), warmup=1, reduce="median")
     meta = measure.metadata(device, args.commit, dtype=str(dtype).removeprefix("torch."),
-                            model="tiny" if args.smoke else "Llama 3.2 1B shape")
+                            model="tiny" if args.smoke else "Llama 3.2 1B shape",
+                            activation_checkpointing=args.activation_checkpointing)
     rows = measure.Rows(measure.output_dir(args) / "hf.json")
     start = time.perf_counter()
     for seq_len in seq_lens:
@@ -287,7 +289,7 @@ def cp_loss_fns(model, ring, cp_mesh, input_ids):
     return {"ringfa4": ringfa4, "torch_cp": torch_cp}
 
 
-def sharded_model(config, mesh, device):
+def sharded_model(config, mesh, device, activation_checkpointing):
     """The model on every rank with rank 0's weights, FSDP2 over ``mesh``, activation checkpointing;
     ``model.loss_sum`` runs as an FSDP2 forward (the chunked head reads the root unit's weights)."""
     from torch.distributed.fsdp import register_fsdp_forward_method
@@ -299,7 +301,7 @@ def sharded_model(config, mesh, device):
     for t in [*model.parameters(), *model.buffers()]:
         dist.broadcast(t.detach(), src=0)
     hf.fully_shard_model(model, mesh, param_dtype=torch.bfloat16 if device.type == "cuda" else None,
-                         activation_checkpointing=True)
+                         activation_checkpointing=activation_checkpointing)
     model.loss_sum = types.MethodType(loss_sum, model)
     register_fsdp_forward_method(model, "loss_sum")
     model.train()
@@ -316,12 +318,13 @@ def run_context_parallel(args, seq_lens):
         ring = hf.register(group=mesh[CP].get_group(), backend=backend)
         AttentionInterface.register(TORCH_CP, sdpa_repeated_kv)
         config = llama_config(args.smoke)
-        model = sharded_model(config, mesh, device)
+        model = sharded_model(config, mesh, device, args.activation_checkpointing)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95))
         timer = measure.Timer(device, rounds=args.rounds or (1 if args.smoke else 3), warmup=1, reduce="median",
                               group=dist.group.WORLD)
         dtype = "float32" if args.smoke else "float32 params, bfloat16 compute"
-        meta = measure.metadata(device, args.commit, dtype=dtype, model="tiny" if args.smoke else "Llama 3.2 1B shape")
+        meta = measure.metadata(device, args.commit, dtype=dtype, model="tiny" if args.smoke else "Llama 3.2 1B shape",
+                                activation_checkpointing=args.activation_checkpointing)
         rows = measure.Rows(measure.output_dir(args) / "hf.json" if rank == 0 else None)
         start = time.perf_counter()
         for seq_len in seq_lens:
@@ -349,7 +352,8 @@ def markdown(rows):
     r = rows[0]
     b = r["baseline"]
     out = [f"transformers LlamaForCausalLM ({r['model']}), {r['device']}, cp={r['cp']}, commit {r['commit']}, "
-           f"backend {r['backend']}: training step ({r['dtype']}, AdamW, activation checkpointing), one sequence, "
+           f"backend {r['backend']}: training step ({r['dtype']}, AdamW, {r['activation_checkpointing']} activation "
+           "checkpointing), one sequence, "
            "median step; TFLOP/s and GiB per GPU", "",
            f"| seq | ringfa4 tok/s | {b} tok/s | speedup | ringfa4 TFLOP/s | {b} TFLOP/s | ringfa4 MFU | {b} MFU "
            f"| ringfa4 GiB | {b} GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -376,6 +380,8 @@ def main():
                         "default 32768,65536, 64,128 with --smoke")
     p.add_argument("--backend", default=None, help="ringfa4 backend (default cute, torch with --smoke)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds, median kept (default 3, 1 with --smoke)")
+    p.add_argument("--activation-checkpointing", choices=("selective", "full"), default="full",
+                   help="what backward recomputes, for both contenders (ringfa4.hf.enable_checkpointing)")
     args = p.parse_args()
     measure.check_output_args(p, args, args.smoke)
     seq_lens = [int(s) for s in (args.seq_lens or ("64,128" if args.smoke else "32768,65536")).split(",")]

@@ -8,7 +8,7 @@
     # in rings of 4 GPUs, 2 rings sharding the parameters; resumable from DCP checkpoints:
     torchrun --nproc_per_node=8 examples/hf_finetune.py --model /models/Llama-3.2-1B \
         --text '/data/books/*.txt' --seq-len 65536 --cp 4 --global-batch 2 --steps 1000 --lr 2e-5 \
-        --activation-checkpointing --checkpoint-dir /ckpt/llama-64k --resume
+        --activation-checkpointing selective --checkpoint-dir /ckpt/llama-64k --resume
 
     # Packed documents: each sequence holds several documents, each attending to itself only:
     torchrun --nproc_per_node=2 examples/hf_finetune.py --packed-documents --layout document_zigzag --seq-len 1024
@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from ringfa4 import documents, flops, hf
 from ringfa4.nn import build_mesh
+from ringfa4.nn.model import ACTIVATION_CHECKPOINTING
 from ringfa4.nn.parallel import CP, DP_SHARD
 from ringfa4.ring.layout import LAYOUTS
 from ringfa4.train import checkpoint, data, launch, metrics
@@ -65,7 +66,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=5, help="steps of linear warmup, then constant")
     p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--activation-checkpointing", choices=ACTIVATION_CHECKPOINTING, default="none",
+                   help="what backward recomputes: none, selective (all but the attention, whose ring runs "
+                        "once) or full")
     p.add_argument("--checkpoint-dir", help="write DCP checkpoints here (storage every rank sees)")
     p.add_argument("--checkpoint-interval", type=int, default=10)
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")

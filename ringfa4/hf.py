@@ -33,16 +33,19 @@ attention, and KV caches (generation).
 """
 import weakref
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 import ringfa4
 from ringfa4 import documents
-from ringfa4.nn import ModelArgs
+from ringfa4.nn import ModelArgs, ops
+from ringfa4.nn.model import ACTIVATION_CHECKPOINTING, save_attention_only
 from ringfa4.nn.parallel import fully_shard_blocks
 from ringfa4.ring import documents as ring_documents
 from ringfa4.ring import layout as ring_layout
@@ -164,7 +167,7 @@ def _padding_mask_only(*, kv_length, attention_mask=None, use_vmap=False, **kwar
 
 
 class _RingAttention:
-    """transformers' attention-function signature around ringfa4.ring_attention."""
+    """transformers' attention-function signature around ringfa4's attention operators (ringfa4.nn.ops)."""
 
     def __init__(self, ring, backend):
         self.ring, self.backend = ring, backend
@@ -193,10 +196,15 @@ class _RingAttention:
                                      query.shape[2], world)
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
-        out = ringfa4.ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                     causal=causal, softmax_scale=scaling, group=self.ring.group,
-                                     layout=self.ring.layout, backend=self.backend, cu_seqlens=cu_seqlens)
-        return out, None
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        scale = q.shape[-1] ** -0.5 if scaling is None else float(scaling)
+        # ringfa4's custom operators, as ringfa4.nn's attention calls them: one call that selective
+        # checkpointing keeps (enable_checkpointing), so that backward never runs the ring again.
+        if world == 1:
+            return ops.attention(q, k, v, causal, scale, self.backend, False, cu_seqlens)[0], None
+        group = self.ring.group if self.ring.group is not None else dist.group.WORLD
+        return ops.ring_attention(q, k, v, causal, scale, group.group_name, self.ring.layout, self.backend, False,
+                                  cu_seqlens)[0], None
 
     def _documents(self, position_ids, cu_seqlens, batch, local_len, world):
         """cu_seqlens on the host for ring_attention (None: one document per row), once the local
@@ -258,8 +266,28 @@ def causal_lm_loss(model, batch, num_tokens):
     return loss_sum / num_tokens
 
 
-def fully_shard_model(model, mesh, *, param_dtype=None, activation_checkpointing=False):
-    """FSDP2 for a transformers model over every rank of a (dp_shard, cp) mesh (ringfa4.nn.build_mesh).
+def enable_checkpointing(model, mode):
+    """transformers' activation checkpointing of a model's decoder layers, ``mode`` one of
+    ringfa4.nn.model.ACTIVATION_CHECKPOINTING: "full" recomputes each layer in backward, its
+    attention (and a ring's transfers) included; "selective" recomputes all but the attention,
+    whose outputs are kept (ours, or PyTorch SDPA's where the model runs transformers' "sdpa");
+    "none" keeps every activation."""
+    if mode not in ACTIVATION_CHECKPOINTING:
+        raise ValueError(f"activation_checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}; got {mode!r}")
+    if mode == "none":
+        return
+    kwargs = {"use_reentrant": False}
+    if mode == "selective":
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, save_attention_only)
+    if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x; the old one warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def fully_shard_model(model, mesh, *, param_dtype=None, activation_checkpointing="none"):
+    """FSDP2 for a transformers model over every rank of a (dp_shard, cp) mesh (ringfa4.nn.build_mesh),
+    with ``activation_checkpointing`` as enable_checkpointing takes it.
 
     Each block that transformers keeps whole (``model._no_split_modules``: decoder layers) is its own
     unit (ringfa4.nn.parallel.fully_shard_blocks); gradients are summed over ranks, since each
@@ -268,8 +296,7 @@ def fully_shard_model(model, mesh, *, param_dtype=None, activation_checkpointing
     blocks = [m for m in model.modules() if type(m).__name__ in set(model._no_split_modules or ())]
     if not blocks:
         raise ValueError(f"{type(model).__name__} names no block class in _no_split_modules to shard by")
-    if activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, activation_checkpointing)
     return fully_shard_blocks(model, blocks, mesh, param_dtype)
 
 

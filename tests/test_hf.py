@@ -125,24 +125,24 @@ def assert_same_step(dp_shard, cp, layout, tie, recompute, position_ids=None):
 
 
 def test_cp2_zigzag_step_matches_transformers_sdpa_and_refuses_local_positions():
-    refused = assert_same_step(dp_shard=1, cp=2, layout="zigzag", tie=True, recompute=True)
+    refused = assert_same_step(dp_shard=1, cp=2, layout="zigzag", tie=True, recompute="full")
     assert refused is not None and "global positions of this rank's tokens" in refused
 
 
 def test_dp2_x_cp2_contiguous_step_matches_transformers_sdpa():
-    assert_same_step(dp_shard=2, cp=2, layout="contiguous", tie=False, recompute=False)
+    assert_same_step(dp_shard=2, cp=2, layout="contiguous", tie=False, recompute="selective")
 
 
 def test_cp2_zigzag_packed_rows_match_each_document_run_alone_and_need_cu_seqlens():
     position_ids = packed_position_ids([r % len(DOCUMENTS) for r in range(BATCH)])  # (b, s): documents per row
-    refused = assert_same_step(dp_shard=1, cp=2, layout="zigzag", tie=False, recompute=True,
+    refused = assert_same_step(dp_shard=1, cp=2, layout="zigzag", tie=False, recompute="full",
                                position_ids=position_ids)
     assert refused is not None and "got no cu_seqlens" in refused
 
 
 def test_cp2_document_zigzag_packed_batch_matches_each_document_run_alone_and_needs_cu_seqlens():
     position_ids = packed_position_ids([0])  # (1, s): the documents shared by the batch
-    refused = assert_same_step(dp_shard=1, cp=2, layout="document_zigzag", tie=False, recompute=False,
+    refused = assert_same_step(dp_shard=1, cp=2, layout="document_zigzag", tie=False, recompute="none",
                                position_ids=position_ids)
     assert refused is not None and "got no cu_seqlens" in refused
 
@@ -161,6 +161,35 @@ def test_one_rank_matches_transformers_sdpa(ring):
     loss = hf.causal_lm_loss(make_model(ring.name), batch, hf.global_token_count(batch))
     ref_loss, _ = reference_step(tie=False)
     assert abs(loss.item() - ref_loss) <= 1e-12 * ref_loss
+
+
+def test_selective_checkpointing_runs_each_attention_once_with_the_gradients_of_the_others(ring, monkeypatch):
+    """enable_checkpointing: "selective" keeps each attention's outputs, so backward recomputes the
+    layers without calling the attention again ("full" calls it twice per layer); the three modes
+    give the same loss and gradients (fp64)."""
+    from ringfa4.backends import torch_ref
+
+    calls, forward = [], torch_ref.forward
+    monkeypatch.setattr(torch_ref, "forward", lambda *args, **kwargs: calls.append(1) or forward(*args, **kwargs))
+    input_ids, labels = make_batch()
+    batch = ring.shard_batch(input_ids, labels)
+    results = {}
+    for mode in ("none", "selective", "full"):
+        model = make_model(ring.name)
+        hf.enable_checkpointing(model, mode)
+        model.train()
+        calls.clear()
+        loss = hf.causal_lm_loss(model, batch, hf.global_token_count(batch))
+        loss.backward()
+        results[mode] = (len(calls), loss.item(), {n: p.grad for n, p in model.named_parameters()})
+    layers = make_model(ring.name).config.num_hidden_layers
+    assert {mode: r[0] for mode, r in results.items()} == {"none": layers, "selective": layers, "full": 2 * layers}
+    for mode in ("selective", "full"):
+        assert results[mode][1] == results["none"][1], mode
+        for name, ref in results["none"][2].items():
+            assert torch.allclose(results[mode][2][name], ref, rtol=1e-12, atol=1e-14), (mode, name)
+    with pytest.raises(ValueError, match="activation_checkpointing must be one of none, selective, full"):
+        hf.enable_checkpointing(make_model(ring.name), True)
 
 
 def test_padding_masks_are_refused_and_an_all_ones_mask_is_not(ring):

@@ -134,7 +134,8 @@ SAVED_BY_SELECTIVE_CHECKPOINTING = ops.SAVED_BY_SELECTIVE_CHECKPOINTING + (
 )
 
 
-def _save_attention_only(ctx, op, *args, **kwargs):
+def save_attention_only(ctx, op, *args, **kwargs):
+    """Selective checkpointing's policy: keep the attention operators' outputs, recompute the rest."""
     return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_SELECTIVE_CHECKPOINTING else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -157,7 +158,7 @@ class Block(nn.Module):
             return self._forward(x, cos, sin, cu_seqlens)
         context_fn = noop_context_fn
         if self.activation_checkpointing == "selective":
-            context_fn = partial(create_selective_checkpoint_contexts, _save_attention_only)
+            context_fn = partial(create_selective_checkpoint_contexts, save_attention_only)
         return checkpoint(self._forward, x, cos, sin, cu_seqlens, use_reentrant=False, context_fn=context_fn)
 
     def _forward(self, x, cos, sin, cu_seqlens):
