@@ -194,7 +194,7 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, head_g
     module = _choose_backend(backend, q, k, v, causal, doc_ids)
     if world * head_world > 1:
         agree.check(q, k, causal, layout, scale, deterministic, group, head_group,
-                    documents=None if rows is None else documents.checksum(rows))
+                    documents=None if rows is None else documents.checksum(rows, layout, world))
     if head_world > 1:
         q, k, v = heads.qkv_to_heads(q, k, v, head_group)
     if world == 1:

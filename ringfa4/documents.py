@@ -93,9 +93,13 @@ def row_boundaries(cu_seqlens, batch, seq_len, device):
     return [[x - r * seq_len for x in values if r * seq_len <= x <= (r + 1) * seq_len] for r in range(batch)]
 
 
-def checksum(rows):
-    """(documents, crc32 of the boundaries): what every rank of a ring must agree on."""
+def checksum(rows, layout=None, world=1):
+    """(documents, crc32 of the boundaries): what every rank of a ring of ``world`` must agree on.
+    Under document_balanced the crc covers each row's placement too: its local search runs on every
+    rank, which must all find the same."""
     flat = [x for row in rows for x in row]
+    if layout == DOCUMENT_BALANCED:
+        flat += [x for row in rows for piece in balanced_pieces(row, world) for x in piece]
     return sum(len(row) - 1 for row in rows), zlib.crc32(torch.tensor(flat, dtype=torch.int64).numpy().tobytes())
 
 

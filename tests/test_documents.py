@@ -111,9 +111,15 @@ def _check_disagreement(rank, world):
     with pytest.raises(ValueError, match=r"disagree on cu_seqlens \(documents in it"):
         ringfa4.ring_attention(q, q, q, causal=True, backend="torch",
                                cu_seqlens=None if rank == 0 else _i32([0, 4, 16]))
+    if rank == 1:  # the same boundaries, placed otherwise (as a search differing across ranks would)
+        placed = documents._balanced_pieces
+        documents._balanced_pieces = lambda row, world: tuple((world - 1 - r, a, b) for r, a, b in placed(row, world))
+    with pytest.raises(ValueError, match=r"disagree on cu_seqlens \(CRC-32 of its boundaries, and of document_balanced"):
+        ringfa4.ring_attention(q, q, q, causal=True, backend="torch", layout="document_balanced",
+                               cu_seqlens=_i32([0, 3, 16]))
 
 
-def test_ranks_with_different_cu_seqlens_all_raise_naming_it():
+def test_ranks_with_different_cu_seqlens_or_placements_all_raise_naming_it():
     run(_check_disagreement, 2)
 
 

@@ -102,7 +102,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale:
     layout, rows, docs = _ring_documents(cu_seqlens, q, layout, group, q.shape[1] * world)
     module = _backend_for(backend, q, k, v, causal, None if docs is None else docs.local)
     agree.check(q, k, causal, layout, softmax_scale, deterministic, group, None,
-                documents=None if rows is None else checksum(rows))
+                documents=None if rows is None else checksum(rows, layout, world))
     out, lse, (k_last, v_last) = ring_forward(module, q, k, v, causal, softmax_scale, Ring(group, q.device), layout,
                                               docs)
     return _contiguous((out, lse, k_last, v_last))
@@ -164,7 +164,7 @@ def heads_ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_
     doc_ids = None if docs is None else docs.local
     module = _backend_for(backend, q, k, v, causal, doc_ids)
     agree.check(q, k, causal, layout, softmax_scale, deterministic, group, head,
-                documents=None if rows is None else checksum(rows))
+                documents=None if rows is None else checksum(rows, layout, world))
     exchange, copies = heads.exchange_over(head), heads.replicas(k.shape[2], head_world)
     qh = heads.to_heads(q, head_world, 1, exchange)
     kh, vh = (heads.to_heads(t, head_world, copies, exchange) for t in (k, v))

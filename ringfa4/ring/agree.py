@@ -46,7 +46,7 @@ FIELDS = (
     ("deterministic", bool),
     ("requires_grad (any of q, k, v, with grad enabled)", bool),
     ("cu_seqlens (documents in it; 0 without)", int),
-    ("cu_seqlens (CRC-32 of its boundaries)", int),
+    ("cu_seqlens (CRC-32 of its boundaries, and of document_balanced's placement of them)", int),
 )
 # After the fields: the rank's global rank, then the sum and the sum of squares of q's rows 0 and 1.
 _RANK, _PRINT = len(FIELDS), len(FIELDS) + 1
