@@ -28,8 +28,9 @@ layouts place them for the ring's sake; each rank holds its positions in increas
     tokens) then fill the room left, rank by rank, one cut at each rank's end and continued on the
     next. That placement is tried with the longest 0, 1, 2, 4, ... documents folded first (at
     most all: document_zigzag), and with documents that find no consecutive ranks folded or left
-    to the fill; besides it, every document chained in one order, each continued on the next
-    rank where it does not fit, the order found by a short local search. Of those leaving no rank
+    to the fill; besides it, every document chained in one order (or all but the longest two,
+    placed first in consecutive pieces), each continued on the next rank where it does not fit,
+    the order found by a short local search. Of those leaving no rank
     more than 8% over the mean, the one with the least modelled ring time (_Packing.cost: folded
     pieces are short, and every other rank's block a rank reads is a ring step) is taken. Every
     rank holds exactly
