@@ -316,9 +316,10 @@ def _balanced_pieces(row, world):
             tried.append(pack)
             if pack.imbalance() > BALANCE_BOUND:
                 continue
-            if pack.cost() > last:
+            cost = pack.cost()
+            if cost > last:
                 break
-            last = pack.cost()
+            last = cost
     within = [pack for pack in tried if pack.imbalance() <= BALANCE_BOUND]
     floor = tried[0].target + STEP_PAIRS  # an even share of the pairs, and one block read
     if not within or min(map(_Packing.cost, within)) > CHAIN_ABOVE * floor:

@@ -222,7 +222,7 @@ def test_ring_with_documents_over_blocks_longer_than_a_row_run_is_exact(world, s
 
 
 @pytest.mark.parametrize("split_rows", [documents_ring.SPLIT_ROWS, 64])
-def test_a_step_calls_the_backend_over_the_rows_that_share_documents_only(monkeypatch, split_rows):
+def test_a_step_calls_the_backend_over_the_rows_that_share_documents_only(monkeypatch, request, split_rows):
     """Every pair of same-document rows of a step lies in exactly one of its calls; the calls'
     query runs and key runs do not overlap, query runs start and end on ROW_ALIGN or the step's
     edges, and the ids given are those of the rows called. With a short SPLIT_ROWS steps split
@@ -230,6 +230,7 @@ def test_a_step_calls_the_backend_over_the_rows_that_share_documents_only(monkey
     monkeypatch.setattr(documents_ring, "SPLIT_ROWS", split_rows)
     monkeypatch.setattr(documents, "CHAINED_SPLITS", _GREEDY_ONLY[split_rows == 64])
     documents._balanced_pieces.cache_clear()
+    request.addfinalizer(documents._balanced_pieces.cache_clear)  # no placement of this test outlives it
     rng = random.Random(0)
     narrower = split = 0
     for world in (2, 3, 4):
@@ -262,6 +263,5 @@ def test_a_step_calls_the_backend_over_the_rows_that_share_documents_only(monkey
                     narrower += sum(b - a for a, b in q_runs) < q1 - q0
                     split += len(calls) > 1
     assert narrower > 0, "no step was narrowed: the cases do not test it"
-    documents._balanced_pieces.cache_clear()
     if split_rows == 64:
         assert split > 0, "no step was split into several calls: the cases do not test it"
