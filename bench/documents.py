@@ -12,8 +12,8 @@ n tokens n (n + 1) / 2 pairs, each 4 * heads * head_dim FLOPs forward (ringfa4.f
 for forward + backward.
 
 Attention rows (one GPU, causal): ringfa4.attention(cu_seqlens=) with --backend (auto picks cute
-on Hopper) vs flash_attn.cute.flash_attn_varlen_func on the same
-packed documents, out compared first; forward (no grad) and forward + backward (autograd). No
+on Hopper) vs flash_attn.cute.flash_attn_varlen_func on the same packed documents, both called as a
+model's layers call them (cu_seqlens on the GPU, the same tensor every call), out compared first; forward (no grad) and forward + backward (autograd). No
 cuDNN/SDPA column: SDPA takes documents only as a dense mask, which is not the same work.
 
 Ring rows: every rank of a W-rank ring simulated on this GPU (ringfa4.ring.simulate.SimulatedRing:
@@ -77,14 +77,16 @@ def inputs(seq, heads, kv_heads, head_dim, device, dtype, seed):
                                                                                                    kv_heads, heads)]
 
 
-def fa4_varlen(q, k, v, cu):
-    """Upstream FA4's public varlen function on the packed (total, heads, dim) rows: its out."""
+def fa4_varlen(q, k, v, cu, row):
+    """Upstream FA4's public varlen function on the packed (total, heads, dim) rows: its out. The
+    longest document comes from the host boundaries ``row``, as a user's batch would give it once
+    for every layer (reading it from ``cu`` would time a device sync per call)."""
     from flash_attn.cute import flash_attn_varlen_func
 
-    lengths = (cu[1:] - cu[:-1]).max().item()
+    longest = max(b - a for a, b in zip(row, row[1:]))
     kwargs = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "causal": True}
     if "max_seqlen_q" in inspect.signature(flash_attn_varlen_func).parameters:
-        kwargs.update(max_seqlen_q=lengths, max_seqlen_k=lengths)
+        kwargs.update(max_seqlen_q=longest, max_seqlen_k=longest)
     out = flash_attn_varlen_func(q[0], k[0], v[0], **kwargs)
     return (out[0] if isinstance(out, tuple) else out)[None]
 
@@ -99,7 +101,7 @@ def attention_rows(args, device, dtype, rows):
             ours = lambda *t: ringfa4.attention(*t, causal=True, backend=args.backend, cu_seqlens=cu)[0]  # noqa: E731
             contenders = {"ringfa4": ours}
             if not args.smoke:
-                contenders["fa4_varlen"] = lambda *t: fa4_varlen(*t, cu)
+                contenders["fa4_varlen"] = lambda *t: fa4_varlen(*t, cu, row)
                 err = (ours(q, k, v).float() - contenders["fa4_varlen"](q, k, v).float()).abs().max().item()
                 assert err < 2e-2, f"ringfa4 and FA4 varlen differ by {err} at seq {seq} ({mix})"
             timer = measure.Timer(device, rounds=args.rounds, turn_ms=None if args.smoke else 100, reduce="min")

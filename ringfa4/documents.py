@@ -11,6 +11,10 @@ A 1-D tensor is what users of flash_attn_varlen_func already build; a (b, n+1) t
 force every row to hold the same number of documents, and a list of tensors cannot travel
 through custom operators or be checked as one value across ranks.
 
+It may live on the CPU or on q's device. On the device, reading it waits for the GPU, so it is
+read once per tensor version: change it in place with torch operations (which advance the
+version) or pass a new tensor, never by writes torch does not see (a raw kernel, DLPack).
+
 Positions are global: those of the full, unsharded sequence. A query at position i sees a key at
 position j iff both lie in the same document (and j <= i when causal).
 
@@ -43,10 +47,13 @@ import random
 import zlib
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 DOCUMENT_ZIGZAG = "document_zigzag"
 DOCUMENT_BALANCED = "document_balanced"
 LAYOUTS = (DOCUMENT_ZIGZAG, DOCUMENT_BALANCED)
+
+_read = WeakIdKeyDictionary()  # cu_seqlens on a GPU -> (its version when read, its values)
 
 
 def _host_values(cu_seqlens, device):
@@ -60,7 +67,14 @@ def _host_values(cu_seqlens, device):
                          f"got shape {tuple(cu_seqlens.shape)}")
     if cu_seqlens.device.type != "cpu" and cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens must be on the CPU or on q's device {device}, got {cu_seqlens.device}")
-    return cu_seqlens.tolist()
+    if cu_seqlens.device.type == "cpu" or cu_seqlens.is_inference():  # inference tensors keep no version
+        return cu_seqlens.tolist()
+    # Reading a GPU tensor waits for the device, and every layer of a model passes the same one:
+    # it is read once per version (which torch's in-place writes advance).
+    seen = _read.get(cu_seqlens)
+    if seen is None or seen[0] != cu_seqlens._version:
+        seen = _read[cu_seqlens] = (cu_seqlens._version, tuple(cu_seqlens.tolist()))
+    return list(seen[1])
 
 
 def from_starts(starts):
@@ -437,6 +451,14 @@ def call_kwargs(doc_ids):
 
 
 def local_ids(rows, seq_len, device):
-    """doc_ids (q_ids, k_ids) of one unsharded sequence of ``seq_len`` per row, on ``device``."""
-    ids = ids_at(rows, torch.arange(seq_len).expand(len(rows), -1)).to(device)
+    """doc_ids (q_ids, k_ids) of one unsharded sequence of ``seq_len`` per row, on ``device``: the
+    same tensors for the same documents, so a model's layers and their backward share them and
+    what the kernels derive from them (ringfa4.backends.cute.interface) instead of rebuilding both
+    at every call."""
+    return _local_ids(tuple(map(tuple, rows)), seq_len, device)
+
+
+@functools.lru_cache(maxsize=8)
+def _local_ids(rows, seq_len, device):
+    ids = ids_at([list(row) for row in rows], torch.arange(seq_len).expand(len(rows), -1)).to(device)
     return ids, ids

@@ -40,6 +40,25 @@ def test_attention_with_one_document_is_dense_attention_bit_for_bit():
     assert all(torch.equal(a, b) for a, b in zip(dense, one))
 
 
+def test_calls_with_the_same_documents_share_their_ids_and_see_in_place_changes():
+    # Layers of a model share the ids (and what kernels derive from them); a changed cu_seqlens is
+    # new documents, whether written through numpy or torch.
+    assert documents.local_ids([[0, 5, 16]], 16, torch.device("cpu"))[0] is \
+        documents.local_ids([[0, 5, 16]], 16, torch.device("cpu"))[0]
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 16, 2, 8, dtype=torch.float64, generator=gen) for _ in range(3))
+    cu = _i32([0, 5, 16])
+    for row in ([0, 5, 16], [0, 9, 16], [0, 2, 16]):
+        if row[1] == 9:
+            cu.numpy()[1] = 9
+        elif row[1] == 2:
+            cu[1] = 2
+        out, lse = ringfa4.attention(q, k, v, causal=True, backend="torch", cu_seqlens=cu)
+        ref_out, ref_lse = document_attention_fp64(q, k, v, [row], True)
+        assert (out - ref_out).abs().max().item() < 1e-12, row
+        assert (lse - ref_lse).abs().max().item() < 1e-12, row
+
+
 def _random_rows(rng, count=200):
     for _ in range(count):
         world = rng.choice([2, 3, 4, 8])

@@ -65,6 +65,19 @@ def test_attention_with_documents_matches_fp64(backend, dtype, head_dim, name):
         _assert_close(what, g, r, f"{name}, {dtype}, d={head_dim}")
 
 
+def test_a_gpu_cu_seqlens_changed_in_place_gives_its_new_documents():
+    # Read once per version (ringfa4.documents): torch's in-place writes must be seen.
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(1, SEQ, n, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for n in (8, 2, 2))
+    cu = torch.tensor([0, 700, SEQ], dtype=torch.int32, device="cuda")
+    for row in ([0, 700, SEQ], [0, 1300, SEQ]):
+        cu[1] = row[1]
+        out, lse = ringfa4.attention(q, k, v, causal=True, cu_seqlens=cu)
+        ref_out, ref_lse = document_attention_fp64(*(t.double() for t in (q, k, v)), [row], causal=True)
+        _assert_close("out", out, ref_out, row)
+        _assert_close("lse", lse, ref_lse, row)
+
+
 RING_SEQ = 8192
 RING_ROWS = [0, 1, 700, 701, 1500, 2100, 2105, 4096, 5000, 7900, RING_SEQ]
 
