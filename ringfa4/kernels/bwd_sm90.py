@@ -46,6 +46,12 @@ writes dK = dV = 0. A tile whose queries all lie in one document that holds the 
 (and, causal, below the diagonal) runs unmasked; the others are masked by each query's visible
 key range.
 
+Launch order with documents (doc_order, not deterministic): walks differ with the documents, and
+the kernel lasts until its last long walk ends. The grid's order (KV blocks, then kv heads) can
+reach the longest walks of its last kv heads at its end; an order by walk length alone starts
+the CTAs of many documents at once, whose Q/dO then miss L2. The host orders the CTAs document by
+document, the longest walk's first, every kv head of a document before the next.
+
 Per MMA thread (wgmma m64nNk16 accumulators, each warp group 64 rows of the K/V block):
   S^T, dP^T  ((2, 2, tile_m / 8), 1, 1) fp32      P^T, dS^T: the same shape in 16 bits
   dK, dV     ((2, 2, head_dim / 8), 1, 1) fp32    kept until the epilogue
@@ -83,19 +89,22 @@ class AttentionBackwardSm90:
     num_threads = (NUM_MMA_WG + 1) * WG_THREADS
 
     def __init__(self, dtype, head_dim: int, causal: bool, deterministic: bool, dkv_dtype,
-                 has_docs: bool = False):
+                 has_docs: bool = False, doc_order: bool = False):
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise ValueError(f"dtype must be Float16 or BFloat16, got {dtype}")
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
         if dkv_dtype not in (dtype, Float32):
             raise ValueError(f"dkv_dtype must be {dtype} or Float32, got {dkv_dtype}")
+        if doc_order and (deterministic or not has_docs):
+            raise ValueError("doc_order needs has_docs and not deterministic (whose waits rely on the grid's order)")
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
         self.deterministic = deterministic
         self.dkv_dtype = dkv_dtype
         self.has_docs = has_docs
+        self.doc_order = doc_order
         # Rotated walks (see the module docstring) replace the non-causal reduction order.
         self.rotates = deterministic and not causal
         self.tile_n = 64 * NUM_MMA_WG
@@ -165,6 +174,7 @@ class AttentionBackwardSm90:
                  mdV: cute.Tensor, mSem: Optional[cute.Tensor],
                  mKeyLo: Optional[cute.Tensor], mKeyHi: Optional[cute.Tensor],
                  mQueryBlocks: Optional[cute.Tensor], mKeyBlocks: Optional[cute.Tensor],
+                 mOrder: Optional[cute.Tensor],
                  softmax_scale: Float32, head_splits: Int32, rotate: Int32, stream):
         """q, dout (b, sq, h, d); k, v (b, sk, hk, d); lse2, delta (b, h, sq rounded up to
         tile_m) fp32, lse2 in log2 units with +inf on rows that see no key; dq_acc (b, h,
@@ -174,7 +184,9 @@ class AttentionBackwardSm90:
         None), int32: key_lo, key_hi (b, sq) each query's visible keys (its document's);
         query_blocks (b, kv blocks, 2) the query tiles [first, end) each KV block visits;
         key_blocks (b, query tiles, 2) the first and last KV block visiting each query tile
-        (deterministic order), all from the host's visible_blocks. head_splits:
+        (deterministic order), all from the host's visible_blocks; with doc_order, order (b,
+        kv blocks * kv heads * head_splits) the CTAs' launch order, each kv_slot * kv blocks +
+        block (launch_order). head_splits:
         CTAs per (K/V block, kv head), each taking an equal share of its query heads; more than
         1 needs Float32 dk/dv: the shares reduce-add into a kv head's, or each into its own.
         rotate: nonzero for rotated walks (deterministic, not causal; see the module docstring):
@@ -190,6 +202,8 @@ class AttentionBackwardSm90:
             raise TypeError("sem is required exactly in deterministic mode")
         if const_expr(self.has_docs != (mKeyBlocks is not None)):
             raise TypeError("the document ranges are required exactly when has_docs")
+        if const_expr(self.doc_order != (mOrder is not None)):
+            raise TypeError("order is required exactly with doc_order")
         self._layouts()
         self._mmas()
         Storage = self._storage()
@@ -223,13 +237,15 @@ class AttentionBackwardSm90:
         num_kv_heads = cute.size(mK.shape[2])
         grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), num_kv_heads * head_splits,
                 cute.size(mK.shape[3]))
+        if const_expr(self.doc_order):
+            grid = (grid[0] * grid[1], 1, grid[2])
         self.kernel(
             tQ, tK, tV, tdO, tLSE, tDelta, mdQ, tdK, tdV, mSem,
             tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv,
             Float32(softmax_scale), Float32(softmax_scale * LOG2_E), Int32(head_splits), Int32(rotate),
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout, self.sdS_layout,
             self.sdKV_layout, self.mma_sdp, self.mma_dkv, self.mma_dq, Storage,
-            mKeyLo, mKeyHi, mQueryBlocks, mKeyBlocks,
+            mKeyLo, mKeyHi, mQueryBlocks, mKeyBlocks, mOrder,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device side
@@ -249,12 +265,17 @@ class AttentionBackwardSm90:
                # Last: the kernel's symbol names its leading arguments, and without documents
                # it stays the one it had before they existed.
                mKeyLo: Optional[cute.Tensor], mKeyHi: Optional[cute.Tensor],
-               mQueryBlocks: Optional[cute.Tensor], mKeyBlocks: Optional[cute.Tensor]):
+               mQueryBlocks: Optional[cute.Tensor], mKeyBlocks: Optional[cute.Tensor],
+               mOrder: Optional[cute.Tensor]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_slot, batch = cute.arch.block_idx()
-        kv_head = kv_slot // head_splits
         num_n_blocks = cute.ceil_div(tK.shape[0], self.tile_n)
+        if const_expr(self.doc_order):
+            code = mOrder[batch, n_block]
+            kv_slot = code // num_n_blocks
+            n_block = code - kv_slot * num_n_blocks
+        kv_head = kv_slot // head_splits
         if const_expr(self.causal and self.deterministic):
             # Shortest KV blocks first: with the reversed reduction order of _store_dq, the
             # block a CTA waits for was launched before it and is one step ahead of it.

@@ -59,12 +59,20 @@ class BwdSm90Config:
     # Packed documents: per KV block, the query tiles its documents reach (from the ids at run
     # time); tiles on a boundary are masked. One variant serves every boundary set.
     has_docs: bool = False
+    # With documents: CTAs launched in a host-given order, document by document, the document
+    # with the longest walk first (not deterministic: its waits rely on the grid's order).
+    doc_order: bool = False
+
+    def __post_init__(self):
+        if self.doc_order and (self.deterministic or not self.has_docs):
+            raise ValueError("doc_order needs has_docs and not deterministic")
 
     @property
     def name(self) -> str:
         return (f"bwd_sm90_{self.dtype}_d{self.head_dim}_{'causal' if self.causal else 'full'}"
                 f"_{'det' if self.deterministic else 'atomic'}"
-                f"_{'dkvadd32' if self.dkv_fp32 else 'dkvstore'}" + ("_docs" if self.has_docs else ""))
+                f"_{'dkvadd32' if self.dkv_fp32 else 'dkvstore'}" + ("_docs" if self.has_docs else "")
+                + ("_docorder" if self.doc_order else ""))
 
 
 @dataclass(frozen=True)
@@ -133,6 +141,15 @@ def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False
                          tile_n=128 if causal else 176, lpt=causal, has_docs=has_docs)
 
 
+def bwd_defaults(dtype: str, head_dim: int, causal: bool, deterministic: bool, dkv_fp32: bool,
+                 has_docs: bool = False) -> BwdSm90Config:
+    """The backward kernel `backward` uses: with documents and a free launch order (not
+    deterministic), document by document, longest walk first (bench/RESULTS.md, "The backward's
+    launch order with documents")."""
+    return BwdSm90Config(dtype, head_dim, causal, deterministic, dkv_fp32, has_docs,
+                         doc_order=has_docs and not deterministic)
+
+
 def fwd_variant(dtype: str, head_dim: int, causal: bool, **overrides) -> FwdSm90Config:
     """The default configuration with some fields replaced (benchmarks, technique tests)."""
     return replace(fwd_defaults(dtype, head_dim, causal), **overrides)
@@ -152,7 +169,7 @@ VARIANTS = (
     + [DqPostprocessConfig(dt, d, add)
        for d in _HEAD_DIMS
        for dt, add in (("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True), ("fp32", True))]
-    + [BwdSm90Config(dt, d, c, det, f32, docs)
+    + [bwd_defaults(dt, d, c, det, f32, docs)
        for docs in (False, True) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)
        for det in (False, True) for f32 in (False, True)]
     + [MergeConfig(out, part, d) for part in _DTYPES for out in (part, "fp32") for d in _HEAD_DIMS]

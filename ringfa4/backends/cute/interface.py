@@ -9,12 +9,13 @@ a forward configuration, a QueryRows of another scale.
 import importlib.util
 import math
 import weakref
+from dataclasses import replace
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ringfa4.backends import DqBuffer
-from ringfa4.backends.cute.configs import BwdSm90Config, fwd_defaults
+from ringfa4.backends.cute.configs import bwd_defaults, fwd_defaults
 from ringfa4.backends.cute.launch import compiled, key_tile, num_sms, query_tile
 from ringfa4.backends.cute.query_state import (QueryRows, QueryState, padded_rows, postprocess_dq,
                                                query_rows)
@@ -158,6 +159,26 @@ def visible_blocks(doc_ids, causal, head_dim):
     return _once(doc_ids, ("blocks", causal, head_dim), compute)
 
 
+def launch_order(doc_ids, causal, head_dim, kv_slots):
+    """The backward's launch order with documents (doc_order; int32 (b, kv_slots * kv blocks) on
+    the GPU, no host sync): CTA i runs the (kv slot, KV block) order[:, i] = slot * kv blocks +
+    block. Blocks go by the document of their first key, the document whose walk is longest
+    first, every kv slot of a document before the next, a document's blocks in order."""
+    def compute():
+        query_blocks = visible_blocks(doc_ids, causal, head_dim)[2]
+        walk = (query_blocks[..., 1] - query_blocks[..., 0]).long()
+        b, n = walk.shape
+        doc = doc_ids[1][:, ::key_tile()].contiguous()
+        first_block = torch.searchsorted(doc, doc)  # the first block of each block's document
+        longest = torch.zeros_like(walk).scatter_reduce(1, first_block, walk, "amax")
+        place = (query_blocks[..., 1].amax() + 1 - longest.gather(1, first_block)) * n + first_block
+        slot = torch.arange(kv_slots, device=walk.device)[None, :, None]
+        block = torch.arange(n, device=walk.device)
+        key = ((place[:, None, :] * kv_slots + slot) * n + block).view(b, -1)
+        return torch.argsort(key, dim=1).int()
+    return _once(doc_ids, ("order", causal, head_dim, kv_slots), compute)
+
+
 def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc_ids=None):
     """(out, lse). ``out`` (like q) and ``lse`` (float32, (b, h, sq), contiguous last dim) may be
     given preallocated; they are then written and returned. ``config`` (a
@@ -246,13 +267,15 @@ def _added(given, fresh):
 
 
 def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, dv=None,
-             deterministic=False, doc_ids=None):
+             deterministic=False, doc_ids=None, doc_order=None):
     """Gradients of attention with the softmax normalised by the given lse. Given dq/dk/dv
     receive the gradients added to what they hold (fp32 dk/dv by the kernel itself; dq by the
     postprocess that reads the kernel's accumulator). dq may also be the QueryRows of these
     queries (query_state): the kernel then adds into its accumulator and uses its lse2 and
     delta (lse and out are not read again) and returns it as dq. ``doc_ids``: packed documents
-    (ringfa4.backends), the has_docs variant; K/V blocks no query sees get dK = dV = 0."""
+    (ringfa4.backends), the has_docs variant; K/V blocks no query sees get dK = dV = 0.
+    ``doc_order`` replaces the default launch order with documents (configs.bwd_defaults), for
+    benchmarks and tests."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = _scale(softmax_scale, d)
@@ -283,9 +306,14 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         dk_out, dv_out = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
     sem = (torch.zeros((b, h, padded_rows(sq, d) // query_tile(d)), dtype=torch.int32, device=q.device)
            if deterministic else None)
-    config = BwdSm90Config(DTYPE_NAMES[q.dtype], d, bool(causal), bool(deterministic),
-                           dk_out.dtype == torch.float32, doc_ids is not None)
-    docs = (None,) * 4 if doc_ids is None else visible_blocks(doc_ids, causal, d)
+    config = bwd_defaults(DTYPE_NAMES[q.dtype], d, bool(causal), bool(deterministic),
+                          dk_out.dtype == torch.float32, doc_ids is not None)
+    if doc_order is not None:
+        config = replace(config, doc_order=doc_order)
+    docs = (None,) * 5
+    if doc_ids is not None:
+        order = launch_order(doc_ids, causal, d, hk * splits) if config.doc_order else None
+        docs = (*visible_blocks(doc_ids, causal, d), order)
     compiled(config)(q.detach(), k.detach(), v.detach(), dout, rows.lse2, rows.delta, rows.dq_acc,
                      dk_out, dv_out, sem, *docs, scale, splits,
                      int(rotates(sk, causal, deterministic, _sms(q))))
