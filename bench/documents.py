@@ -17,7 +17,8 @@ model's layers call them (cu_seqlens on the GPU, the same tensor every call), ou
 cuDNN/SDPA column: SDPA takes documents only as a dense mask, which is not the same work.
 
 Ring rows: every rank of a W-rank ring simulated on this GPU (ringfa4.ring.simulate.SimulatedRing:
-the real ring_forward / ring_backward, transfers as device copies), fwd+bwd, for the dense causal
+the real ring_forward / ring_backward, transfers as device copies), fwd+bwd timed over back-to-back
+calls (at least 100 ms of them per round, as the attention rows), for the dense causal
 ring (zigzag) and for the documents in zigzag and the document layouts; the ring's time is its slowest
 rank's. TFLOP/s per GPU = visible-pair FLOPs / W / slowest rank time; ratio = that / the dense
 ring's (target >= 0.85), peak memory of the slowest rank's call against the dense one's, and the
@@ -162,7 +163,10 @@ def ring_rows(args, device, dtype, rows):
             # The ring runs forward and backward: the backend must take both (requires_grad probe).
             backend = _choose_backend(args.backend, full[0][:, :seq // world].detach().requires_grad_(),
                                       full[1][:, :seq // world], full[2][:, :seq // world], True, doc_ids)
-            timer = measure.Timer(device, rounds=args.rounds, reduce="median")
+            # Back-to-back calls, as a model's layers make them: one call between two events would
+            # also count the host's latency before its first kernel (0.5-0.9 ms, 10% of a rank's
+            # call with documents at W = 8), which a training step hides behind the layer before.
+            timer = measure.Timer(device, rounds=args.rounds, turn_ms=None if args.smoke else 100, reduce="median")
             times, mems, skipped, saved = [], [], {"fwd": 0, "bwd": 0}, {"fwd": 0, "bwd": 0}
             for rank in range(world):
                 call = rank_call(backend, full, rank, world, layout, row, device)
