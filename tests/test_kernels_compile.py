@@ -189,15 +189,18 @@ def test_backward_launch_order_runs_every_cta_once_document_by_document_longest_
 
 def test_backward_keeps_the_grids_launch_order_where_it_is_relied_on_or_meaningless():
     """doc_order only with documents and outside deterministic mode (whose dQ waits rely on
-    the grid's order): the defaults choose so, and a config asking otherwise is refused."""
-    from ringfa4.backends.cute.configs import BwdSm90Config, bwd_defaults
+    the grid's order): the defaults choose so, and the kernel refuses a config asking otherwise."""
+    from cutlass import BFloat16
+
+    from ringfa4.backends.cute.configs import bwd_defaults
+    from ringfa4.kernels.bwd_sm90 import AttentionBackwardSm90
 
     assert bwd_defaults("bf16", 128, True, False, False, True).doc_order
     assert not bwd_defaults("bf16", 128, True, True, False, True).doc_order
     assert not bwd_defaults("bf16", 128, True, False, False, False).doc_order
     for deterministic, has_docs in ((True, True), (False, False)):
         with pytest.raises(ValueError, match="doc_order"):
-            BwdSm90Config("bf16", 128, True, deterministic, False, has_docs, doc_order=True)
+            AttentionBackwardSm90(BFloat16, 128, True, deterministic, BFloat16, has_docs, doc_order=True)
 
 
 @pytest.mark.parametrize("tile_m", [64, 128, 192])

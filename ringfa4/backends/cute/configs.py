@@ -63,10 +63,6 @@ class BwdSm90Config:
     # with the longest walk first (not deterministic: its waits rely on the grid's order).
     doc_order: bool = False
 
-    def __post_init__(self):
-        if self.doc_order and (self.deterministic or not self.has_docs):
-            raise ValueError("doc_order needs has_docs and not deterministic")
-
     @property
     def name(self) -> str:
         return (f"bwd_sm90_{self.dtype}_d{self.head_dim}_{'causal' if self.causal else 'full'}"
