@@ -4,6 +4,7 @@ varlen kernels, and the per-rank work of a ring with documents vs the dense caus
     python bench/documents.py                     # both parts, H100/H200, bf16, hdim 128
     python bench/documents.py --part ring --worlds 2,4,8
     python bench/documents.py --smoke             # CPU, torch backend, tiny shapes, no FA4
+    torchrun --nproc_per_node=2 bench/documents.py --part ring   # the ring over NCCL on 2 GPUs
 
 Document mixes: ringfa4.ring.balance.document_mix (log-normal lengths, median 4096, fixed seed,
 packed to the total; "long" first places 3 documents of 64k+ tokens, clipped to the total).
@@ -24,12 +25,23 @@ rank's. TFLOP/s per GPU = visible-pair FLOPs / W / slowest rank time; ratio = th
 ring's (target >= 0.85), peak memory of the slowest rank's call against the dense one's, and the
 steps the documents skipped and the transfers a ring stopped early did not make
 (ringfa4.ring.documents.counting).
+
+Under torchrun (--part ring) the ring runs over NCCL on the W GPUs instead (gloo on the CPU with
+--smoke; rows in documents_ring_ranks.json): every rank makes the
+same inputs, takes its shard (ringfa4.shard, cu_seqlens on the GPU) and calls the public
+ringfa4.ring_attention forward and backward through autograd, as a model's layer does; the dense
+causal ring (zigzag) and the mixes in document_balanced, each first checked against one GPU's
+ringfa4.attention on the full sequence. A case's calls are timed back to back (as many as fill
+~100 ms, the same count on every rank), the round's time the slowest rank's (Timer with the
+process group); peak memory is the largest rank's.
 """
 import inspect
+import math
 import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -41,6 +53,7 @@ from ringfa4.ring import layout as ring_layout  # noqa: E402
 from ringfa4.ring.attention import ring_backward, ring_forward  # noqa: E402
 from ringfa4.ring.documents import RingDocuments, counting  # noqa: E402
 from ringfa4.ring.simulate import SimulatedRing  # noqa: E402
+from ringfa4.train import launch  # noqa: E402
 
 import measure  # noqa: E402
 
@@ -196,8 +209,69 @@ def ring_rows(args, device, dtype, rows):
                                       skipped_steps=skipped, transfers_saved=saved))
 
 
+def ranks_ring_rows(args, device, dtype, rows):
+    heads, kv_heads = map(int, args.heads.split(":"))
+    seq, world = args.ring_seq, dist.get_world_size()
+    full = inputs(seq, heads, kv_heads, args.head_dim, device, dtype, args.seed)
+    dense_mem = dense_tflops = None
+    cases = [("dense", "zigzag", None)] + [(mix, documents.DOCUMENT_BALANCED, balance.document_mix(seq, args.seed, n))
+                                           for mix, n in MIXES.items()]
+    for mix, layout, row in cases:
+        cu = None if row is None else torch.tensor(row, dtype=torch.int32, device=device)
+        q, k, v, dout = (ringfa4.shard(t, dim=1, layout=layout, cu_seqlens=cu) for t in full)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+        def call(leaves=leaves, dout=dout, layout=layout, cu=cu):
+            out = ringfa4.ring_attention(*leaves, causal=True, layout=layout, backend=args.backend, cu_seqlens=cu)
+            torch.autograd.backward(out, dout)
+            return out
+
+        with torch.no_grad():
+            expected = ringfa4.attention(*full[:3], causal=True, backend=args.backend, cu_seqlens=cu)[0]
+        err = (call().float() - ringfa4.shard(expected, dim=1, layout=layout, cu_seqlens=cu).float()).abs().max()
+        assert err.item() < 2e-2, f"the {mix} ring's out differs from one GPU's by {err.item()}"
+        with counting() as count:
+            call()
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        (first,) = measure.Timer(device, rounds=1, warmup=0, group=dist.group.WORLD)(call)
+        mem = torch.tensor(float(torch.cuda.max_memory_allocated(device) - base) if cuda else 0.0, device=device)
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        timer = measure.Timer(device, rounds=args.rounds, iters=max(1, math.ceil(100 / first)), reduce="median",
+                              group=dist.group.WORLD)
+        (ms,) = timer(call)
+        work = (visible_flops(row, heads, args.head_dim, "fwd+bwd") if row is not None
+                else flops.attention(1, seq, seq, heads, args.head_dim, causal=True, direction="fwd+bwd"))
+        per_gpu = flops.tflops(work / world, ms)
+        if row is None:
+            dense_mem, dense_tflops = mem.item(), per_gpu
+        rows.add(measure.metadata(device, args.commit, part="ring_ranks", seq=seq, world=world, mix=mix,
+                                  layout=layout, documents=1 if row is None else len(row) - 1, heads=heads,
+                                  kv_heads=kv_heads, head_dim=args.head_dim, backend=args.backend,
+                                  calls_per_turn=timer.calls[0], slowest_ms=ms, tflops_per_gpu=per_gpu,
+                                  vs_dense=per_gpu / dense_tflops, peak_mem_bytes=mem.item(),
+                                  mem_vs_dense=mem.item() / dense_mem if dense_mem else None,
+                                  skipped_steps=count.skipped,
+                                  transfers_saved=count.transfers_saved))
+
+
+def ranks_main(args):
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.part != "ring":
+        raise SystemExit("under torchrun bench/documents.py runs the ring only: pass --part ring")
+    with launch.process_group("cpu" if args.smoke else "cuda", rank, world, int(os.environ["LOCAL_RANK"])) as device:
+        path = measure.output_dir(args) / "documents_ring_ranks.json" if rank == 0 else None
+        ranks_ring_rows(args, device, torch.float32 if args.smoke else torch.bfloat16, measure.Rows(path))
+
+
 def main():
     args = parse_args()
+    if launch.under_torchrun():
+        ranks_main(args)
+        return
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     out = measure.output_dir(args)
@@ -209,3 +283,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    if launch.under_torchrun():  # a rank ends as the trainer's do (see launch.end_process)
+        launch.end_process()

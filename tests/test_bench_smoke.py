@@ -55,3 +55,19 @@ def test_a_smoke_run_refuses_to_record(script):
     proc = subprocess.run([sys.executable, *script.split(), "--smoke", "--record"], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "--record writes the recorded rows of a full run" in proc.stderr
+
+
+def test_documents_ring_over_two_processes_checks_and_times_every_case(tmp_path):
+    before = _recorded()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "bench/documents.py",
+                           "--part", "ring", "--smoke", "--commit", "test", "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _recorded() == before, "a smoke run changed bench/results/*.json"
+    rows = json.loads((tmp_path / "documents_ring_ranks.json").read_text())
+    assert [(r["mix"], r["layout"]) for r in rows] == [("dense", "zigzag"), ("log-normal", "document_balanced"),
+                                                       ("long", "document_balanced")]
+    for r in rows:
+        assert r["part"] == "ring_ranks" and r["world"] == 2 and r["commit"] == "test"
+        assert r["slowest_ms"] > 0 and r["calls_per_turn"] >= 1 and r["tflops_per_gpu"] > 0
+    assert rows[0]["vs_dense"] == 1.0
