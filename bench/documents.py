@@ -14,7 +14,9 @@ for forward + backward.
 
 Attention rows (one GPU, causal): ringfa4.attention(cu_seqlens=) with --backend (auto picks cute
 on Hopper) vs flash_attn.cute.flash_attn_varlen_func on the same packed documents, both called as a
-model's layers call them (cu_seqlens on the GPU, the same tensor every call), out compared first; forward (no grad) and forward + backward (autograd). No
+model's layers call them (cu_seqlens on the GPU, the same tensor every call), and PyTorch's
+FlexAttention (torch.compile'd, the causal document mask as a block mask built once, kv heads
+given as they are), outs compared first; forward (no grad) and forward + backward (autograd). No
 cuDNN/SDPA column: SDPA takes documents only as a dense mask, which is not the same work.
 
 Ring rows: every rank of a W-rank ring simulated on this GPU (ringfa4.ring.simulate.SimulatedRing:
@@ -105,6 +107,19 @@ def fa4_varlen(q, k, v, cu, row):
     return (out[0] if isinstance(out, tuple) else out)[None]
 
 
+def flex_documents(row, seq, device):
+    """PyTorch's FlexAttention, compiled, with the causal document mask as a block mask built once
+    for the documents (as a model builds it once per batch): a fn of (b, s, h, d) q, k, v."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    doc = documents.local_ids([row], seq, device)[0][0]
+    block_mask = create_block_mask(lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i), None, None, seq, seq,
+                                   device=device)
+    flex = torch.compile(flex_attention)
+    return lambda q, k, v: flex(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=block_mask,
+                                enable_gqa=True).transpose(1, 2)
+
+
 def attention_rows(args, device, dtype, rows):
     heads, kv_heads = map(int, args.heads.split(":"))
     for seq in map(int, args.seqs.split(",")):
@@ -116,8 +131,10 @@ def attention_rows(args, device, dtype, rows):
             contenders = {"ringfa4": ours}
             if not args.smoke:
                 contenders["fa4_varlen"] = lambda *t: fa4_varlen(*t, cu, row)
-                err = (ours(q, k, v).float() - contenders["fa4_varlen"](q, k, v).float()).abs().max().item()
-                assert err < 2e-2, f"ringfa4 and FA4 varlen differ by {err} at seq {seq} ({mix})"
+                contenders["flex"] = flex_documents(row, seq, device)
+                for name in ("fa4_varlen", "flex"):
+                    err = (ours(q, k, v).float() - contenders[name](q, k, v).float()).abs().max().item()
+                    assert err < 2e-2, f"ringfa4 and {name} differ by {err} at seq {seq} ({mix})"
             timer = measure.Timer(device, rounds=args.rounds, turn_ms=None if args.smoke else 100, reduce="min")
             for direction in ("fwd", "fwd+bwd"):
                 # auto chooses per call and may choose differently when gradients are needed.
