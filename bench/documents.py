@@ -113,8 +113,9 @@ def flex_documents(row, seq, device):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     doc = documents.local_ids([row], seq, device)[0][0]
+    # compiled: built eagerly the mask is materialised whole (128 GiB at 128k tokens)
     block_mask = create_block_mask(lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i), None, None, seq, seq,
-                                   device=device)
+                                   device=device, _compile=True)
     flex = torch.compile(flex_attention)
     return lambda q, k, v: flex(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=block_mask,
                                 enable_gqa=True).transpose(1, 2)
