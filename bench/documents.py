@@ -29,13 +29,13 @@ steps the documents skipped and the transfers a ring stopped early did not make
 (ringfa4.ring.documents.counting).
 
 Under torchrun (--part ring) the ring runs over NCCL on the W GPUs instead (gloo on the CPU with
---smoke; rows in documents_ring_ranks.json): every rank makes the
-same inputs, takes its shard (ringfa4.shard, cu_seqlens on the GPU) and calls the public
-ringfa4.ring_attention forward and backward through autograd, as a model's layer does; the dense
-causal ring (zigzag) and the mixes in document_balanced, each first checked against one GPU's
-ringfa4.attention on the full sequence. A case's calls are timed back to back (as many as fill
-~100 ms, the same count on every rank), the round's time the slowest rank's (Timer with the
-process group); peak memory is the largest rank's.
+--smoke; rows in documents_ring_ranks.json): every rank makes the same inputs, takes its shard
+(ringfa4.shard, cu_seqlens on the GPU) and calls the public ringfa4.ring_attention forward and
+backward through autograd, as a model's layer does; the dense causal ring (zigzag) and the mixes
+in document_balanced, each first checked against one GPU's ringfa4.attention on the full
+sequence. A case's calls are timed back to back (as many as fill ~100 ms, the same count on every
+rank), the round's time the slowest rank's (Timer with the process group); peak memory is the
+largest rank's.
 """
 import inspect
 import math
@@ -181,6 +181,21 @@ def _name(backend):
     return backend.__name__.rsplit(".", 1)[-1]
 
 
+def ring_backend(args, full, world, row):
+    """The backend --backend picks for a rank's steps (the ring runs forward and backward: the
+    backend must take both, hence the requires_grad probe); ``row`` None: no documents."""
+    q, k, v = (t[:, :t.shape[1] // world] for t in full[:3])
+    doc_ids = None if row is None else documents.local_ids([row], q.shape[1], q.device)
+    return _choose_backend(args.backend, q.detach().requires_grad_(), k, v, True, doc_ids)
+
+
+def ring_work(row, seq, heads, head_dim):
+    """fwd+bwd FLOPs of the ring: the documents' visible pairs, or the dense causal sequence's."""
+    if row is None:
+        return flops.attention(1, seq, seq, heads, head_dim, causal=True, direction="fwd+bwd")
+    return visible_flops(row, heads, head_dim, "fwd+bwd")
+
+
 def ring_rows(args, device, dtype, rows):
     heads, kv_heads = map(int, args.heads.split(":"))
     seq = args.ring_seq
@@ -190,10 +205,7 @@ def ring_rows(args, device, dtype, rows):
         cases = [("dense", "zigzag", None)] + [(mix, layout, balance.document_mix(seq, args.seed, n))
                                                for mix, n in MIXES.items() for layout in ("zigzag",) + documents.LAYOUTS]
         for mix, layout, row in cases:
-            doc_ids = None if row is None else documents.local_ids([row], seq // world, device)
-            # The ring runs forward and backward: the backend must take both (requires_grad probe).
-            backend = _choose_backend(args.backend, full[0][:, :seq // world].detach().requires_grad_(),
-                                      full[1][:, :seq // world], full[2][:, :seq // world], True, doc_ids)
+            backend = ring_backend(args, full, world, row)
             # Back-to-back calls, as a model's layers make them: one call between two events would
             # also count the host's latency before its first kernel (0.5-0.9 ms, 10% of a rank's
             # call with documents at W = 8), which a training step hides behind the layer before.
@@ -212,8 +224,7 @@ def ring_rows(args, device, dtype, rows):
                 (ms,) = timer(call)
                 times.append(ms)
                 mems.append(torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else 0)
-            work = (visible_flops(row, heads, args.head_dim, "fwd+bwd") if row is not None
-                    else flops.attention(1, seq, seq, heads, args.head_dim, causal=True, direction="fwd+bwd"))
+            work = ring_work(row, seq, heads, args.head_dim)
             slowest = max(times)
             per_gpu = flops.tflops(work / world, slowest)
             if row is None:
@@ -228,6 +239,8 @@ def ring_rows(args, device, dtype, rows):
 
 
 def ranks_ring_rows(args, device, dtype, rows):
+    """The dense causal ring and the mixes in document_balanced over this process group (see the
+    module docstring)."""
     heads, kv_heads = map(int, args.heads.split(":"))
     seq, world = args.ring_seq, dist.get_world_size()
     full = inputs(seq, heads, kv_heads, args.head_dim, device, dtype, args.seed)
@@ -261,15 +274,13 @@ def ranks_ring_rows(args, device, dtype, rows):
         timer = measure.Timer(device, rounds=args.rounds, iters=max(1, math.ceil(100 / first)), reduce="median",
                               group=dist.group.WORLD)
         (ms,) = timer(call)
-        work = (visible_flops(row, heads, args.head_dim, "fwd+bwd") if row is not None
-                else flops.attention(1, seq, seq, heads, args.head_dim, causal=True, direction="fwd+bwd"))
-        per_gpu = flops.tflops(work / world, ms)
+        per_gpu = flops.tflops(ring_work(row, seq, heads, args.head_dim) / world, ms)
         if row is None:
             dense_mem, dense_tflops = mem.item(), per_gpu
         rows.add(measure.metadata(device, args.commit, part="ring_ranks", seq=seq, world=world, mix=mix,
                                   layout=layout, documents=1 if row is None else len(row) - 1, heads=heads,
-                                  kv_heads=kv_heads, head_dim=args.head_dim, backend=args.backend,
-                                  calls_per_turn=timer.calls[0], slowest_ms=ms, tflops_per_gpu=per_gpu,
+                                  kv_heads=kv_heads, head_dim=args.head_dim,
+                                  backend=_name(ring_backend(args, full, world, row)), calls_per_turn=timer.calls[0], slowest_ms=ms, tflops_per_gpu=per_gpu,
                                   vs_dense=per_gpu / dense_tflops, peak_mem_bytes=mem.item(),
                                   mem_vs_dense=mem.item() / dense_mem if dense_mem else None,
                                   skipped_steps=count.skipped,

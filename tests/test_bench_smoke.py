@@ -57,6 +57,22 @@ def test_a_smoke_run_refuses_to_record(script):
     assert proc.returncode == 2 and "--record writes the recorded rows of a full run" in proc.stderr
 
 
+def test_documents_smoke_times_attention_and_every_simulated_ring_case(tmp_path):
+    before = _recorded()
+    proc = subprocess.run([sys.executable, "bench/documents.py", "--smoke", "--commit", "test", "--out-dir",
+                           str(tmp_path)], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _recorded() == before, "a smoke run changed bench/results/*.json"
+    attention = json.loads((tmp_path / "documents_attention.json").read_text())
+    assert [(r["mix"], r["direction"]) for r in attention] == [
+        (mix, d) for mix in ("log-normal", "long") for d in ("fwd", "fwd+bwd")]
+    assert all(r["ringfa4_ms"] > 0 and r["backend"] == "torch_ref" for r in attention)
+    ring = json.loads((tmp_path / "documents_ring.json").read_text())
+    assert [(r["mix"], r["layout"]) for r in ring] == [("dense", "zigzag")] + [
+        (mix, layout) for mix in ("log-normal", "long") for layout in ("zigzag", "document_zigzag", "document_balanced")]
+    assert all(r["world"] == 2 and len(r["rank_ms"]) == 2 and r["slowest_ms"] > 0 for r in ring)
+
+
 def test_documents_ring_over_two_processes_checks_and_times_every_case(tmp_path):
     before = _recorded()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "bench/documents.py",
