@@ -196,6 +196,17 @@ def ring_work(row, seq, heads, head_dim):
     return visible_flops(row, heads, head_dim, "fwd+bwd")
 
 
+def peak_bytes(device, fn):
+    """(fn(), the bytes allocated at its peak beyond those allocated before it; 0 off CUDA)."""
+    if device.type != "cuda":
+        return fn(), 0
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    result = fn()
+    return result, torch.cuda.max_memory_allocated(device) - base
+
+
 def ring_rows(args, device, dtype, rows):
     heads, kv_heads = map(int, args.heads.split(":"))
     seq = args.ring_seq
@@ -217,13 +228,9 @@ def ring_rows(args, device, dtype, rows):
                     call()
                 skipped = {p: skipped[p] + count.skipped[p] for p in skipped}
                 saved = {p: saved[p] + count.transfers_saved[p] for p in saved}
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                    torch.cuda.reset_peak_memory_stats(device)
-                    base = torch.cuda.memory_allocated(device)
-                (ms,) = timer(call)
+                (ms,), mem = peak_bytes(device, lambda: timer(call))
                 times.append(ms)
-                mems.append(torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else 0)
+                mems.append(mem)
             work = ring_work(row, seq, heads, args.head_dim)
             slowest = max(times)
             per_gpu = flops.tflops(work / world, slowest)
@@ -263,13 +270,9 @@ def ranks_ring_rows(args, device, dtype, rows):
         assert err.item() < 2e-2, f"the {mix} ring's out differs from one GPU's by {err.item()}"
         with counting() as count:
             call()
-        cuda = device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-        (first,) = measure.Timer(device, rounds=1, warmup=0, group=dist.group.WORLD)(call)
-        mem = torch.tensor(float(torch.cuda.max_memory_allocated(device) - base) if cuda else 0.0, device=device)
+        (first,), mem = peak_bytes(device, lambda: measure.Timer(device, rounds=1, warmup=0,
+                                                                group=dist.group.WORLD)(call))
+        mem = torch.tensor(float(mem), device=device)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         timer = measure.Timer(device, rounds=args.rounds, iters=max(1, math.ceil(100 / first)), reduce="median",
                               group=dist.group.WORLD)
@@ -280,11 +283,11 @@ def ranks_ring_rows(args, device, dtype, rows):
         rows.add(measure.metadata(device, args.commit, part="ring_ranks", seq=seq, world=world, mix=mix,
                                   layout=layout, documents=1 if row is None else len(row) - 1, heads=heads,
                                   kv_heads=kv_heads, head_dim=args.head_dim,
-                                  backend=_name(ring_backend(args, full, world, row)), calls_per_turn=timer.calls[0], slowest_ms=ms, tflops_per_gpu=per_gpu,
+                                  backend=_name(ring_backend(args, full, world, row)),
+                                  calls_per_turn=timer.calls[0], slowest_ms=ms, tflops_per_gpu=per_gpu,
                                   vs_dense=per_gpu / dense_tflops, peak_mem_bytes=mem.item(),
                                   mem_vs_dense=mem.item() / dense_mem if dense_mem else None,
-                                  skipped_steps=count.skipped,
-                                  transfers_saved=count.transfers_saved))
+                                  skipped_steps=count.skipped, transfers_saved=count.transfers_saved))
 
 
 def ranks_main(args):
