@@ -17,14 +17,20 @@ def _recorded():
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(RESULTS.glob("*.json"))}
 
 
-def _run(argv):
+def _checked(argv):
+    """stdout of a run that succeeded and left the recorded rows alone."""
     before = _recorded()
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert _recorded() == before, "a smoke run changed bench/results/*.json"
-    written = Path(re.search(r"^wrote (.+)$", proc.stdout, re.M).group(1))
+    return proc.stdout
+
+
+def _run(argv):
+    stdout = _checked(argv)
+    written = Path(re.search(r"^wrote (.+)$", stdout, re.M).group(1))
     assert RESULTS.resolve() not in written.resolve().parents
-    return proc.stdout, json.loads(written.read_text())
+    return stdout, json.loads(written.read_text())
 
 
 def test_kernels_user_smoke_measures_every_case_outside_the_recorded_results():
@@ -58,11 +64,7 @@ def test_a_smoke_run_refuses_to_record(script):
 
 
 def test_documents_smoke_times_attention_and_every_simulated_ring_case(tmp_path):
-    before = _recorded()
-    proc = subprocess.run([sys.executable, "bench/documents.py", "--smoke", "--commit", "test", "--out-dir",
-                           str(tmp_path)], capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert _recorded() == before, "a smoke run changed bench/results/*.json"
+    _checked([sys.executable, "bench/documents.py", "--smoke", "--commit", "test", "--out-dir", str(tmp_path)])
     attention = json.loads((tmp_path / "documents_attention.json").read_text())
     assert [(r["mix"], r["direction"]) for r in attention] == [
         (mix, d) for mix in ("log-normal", "long") for d in ("fwd", "fwd+bwd")]
@@ -74,12 +76,8 @@ def test_documents_smoke_times_attention_and_every_simulated_ring_case(tmp_path)
 
 
 def test_documents_ring_over_two_processes_checks_and_times_every_case(tmp_path):
-    before = _recorded()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "bench/documents.py",
-                           "--part", "ring", "--smoke", "--commit", "test", "--out-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert _recorded() == before, "a smoke run changed bench/results/*.json"
+    _checked([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "bench/documents.py",
+              "--part", "ring", "--smoke", "--commit", "test", "--out-dir", str(tmp_path)])
     rows = json.loads((tmp_path / "documents_ring_ranks.json").read_text())
     assert [(r["mix"], r["layout"]) for r in rows] == [("dense", "zigzag"), ("log-normal", "document_balanced"),
                                                        ("long", "document_balanced")]
