@@ -235,7 +235,8 @@ def test_backward_splits_a_kv_heads_query_heads_only_where_kv_blocks_are_few():
     """head_splits (host side): a ring step's 4k causal square with 32/8 heads leaves the longest
     CTAs with a whole SM's share and splits; a 32k sequence, a batch of short sequences and MHA
     do not; a split always divides the group; deterministic mode takes one head per CTA for causal
-    attention from 8k keys or where the default splits, and none otherwise."""
+    attention from 2k keys (hdim 128; 16k with hdim 64) or where the default splits, and none
+    otherwise."""
     from ringfa4.backends.cute.interface import head_splits
 
     sms = 132
@@ -248,7 +249,10 @@ def test_backward_splits_a_kv_heads_query_heads_only_where_kv_blocks_are_few():
     assert head_splits(1, 2048, 2048, 16, 16, 128, True, False, sms) == 1
     assert head_splits(1, 640, 200, 6, 1, 64, False, False, sms) == 2      # 6 = 2 shares of 3
     assert head_splits(1, 32768, 32768, 32, 8, 128, True, True, sms) == 4
-    assert head_splits(8, 4096, 4096, 32, 8, 128, True, True, sms) == 1
+    assert head_splits(8, 4096, 4096, 32, 8, 128, True, True, sms) == 4
+    assert head_splits(32, 1024, 1024, 32, 8, 128, True, True, sms) == 1
+    assert head_splits(4, 8192, 8192, 32, 8, 64, True, True, sms) == 1
+    assert head_splits(2, 16384, 16384, 32, 8, 64, True, True, sms) == 4
     assert head_splits(1, 4096, 4096, 32, 8, 128, True, True, sms) == 4  # where the default splits
     assert head_splits(1, 32768, 32768, 32, 8, 128, False, True, sms) == 1
     assert head_splits(1, 32768, 32768, 16, 16, 128, True, True, sms) == 1

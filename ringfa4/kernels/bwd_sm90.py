@@ -3,7 +3,7 @@
 One CTA owns a (tile_n x head_dim) block of K and V for one kv head and walks over every
 query tile that sees it (of every query head sharing that kv head, so GQA needs no dK/dV
 reduction; or, with head_splits > 1, of its share of those heads, the shares' dK/dV summed by
-fp32 reduce-adds or written apart for the host to sum), recomputing P from the lse it is given:
+fp32 reduce-adds, in a fixed order when deterministic), recomputing P from the lse it is given:
 
     S^T = K Q^T          P^T = exp2(S^T * scale * log2(e) - lse * log2(e))
     dP^T = V dO^T        dS^T = P^T * (dP^T * scale - delta),  delta = scale * rowsum(dO * O)
@@ -76,6 +76,26 @@ from ringfa4.kernels.mask import AttentionMask
 from ringfa4.kernels.ptx import bulk_reduce_add_f32, convert_to
 from ringfa4.kernels.softmax import LOG2_E
 from ringfa4.kernels.tile_scheduler import BwdStepScheduler
+
+
+@cute.jit
+def wait_turn(sem_ptr: cute.Pointer, turn: Int32):
+    """Lane 0 spins until the counter at sem_ptr reaches turn (acquire: the reductions of the
+    CTAs that passed it before are visible)."""
+    if cute.arch.lane_idx() == 0:
+        seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+        while seen != turn:
+            seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+
+
+@cute.jit
+def pass_turn(sem_ptr: cute.Pointer):
+    """Once this warp's bulk copies (issued by lane 0) have landed in global memory, lane 0
+    advances the counter at sem_ptr: the next CTA in the order may add."""
+    if cute.arch.lane_idx() == 0:
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        cute.arch.red(sem_ptr, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
+    cute.arch.sync_warp()
 
 
 class AttentionBackwardSm90:
@@ -174,13 +194,13 @@ class AttentionBackwardSm90:
                  mdV: cute.Tensor, mSem: Optional[cute.Tensor],
                  mKeyLo: Optional[cute.Tensor], mKeyHi: Optional[cute.Tensor],
                  mQueryBlocks: Optional[cute.Tensor], mKeyBlocks: Optional[cute.Tensor],
-                 mOrder: Optional[cute.Tensor],
+                 mOrder: Optional[cute.Tensor], mSemKV: Optional[cute.Tensor],
                  softmax_scale: Float32, head_splits: Int32, rotate: Int32, stream):
         """q, dout (b, sq, h, d); k, v (b, sk, hk, d); lse2, delta (b, h, sq rounded up to
         tile_m) fp32, lse2 in log2 units with +inf on rows that see no key; dq_acc (b, h,
         sq tiles * tile_m * head_dim) fp32 in fragment order (dq_layout.py; added into); dk, dv
-        (b, sk, hk, d) of dkv_dtype, or (b, sk, hk * head_splits, d) fp32, a head per share;
-        sem (b, h, sq tiles) int32 zeros when deterministic, else None. With has_docs (else
+        (b, sk, hk, d) of dkv_dtype; sem (b, h, sq tiles) and sem_kv (b, hk, kv blocks) int32
+        zeros when deterministic (the orders of dQ's and dK/dV's reductions), else None. With has_docs (else
         None), int32: key_lo, key_hi (b, sq) each query's visible keys (its document's);
         query_blocks (b, kv blocks, 2) the query tiles [first, end) each KV block visits;
         key_blocks (b, query tiles, 2) the first and last KV block visiting each query tile
@@ -188,7 +208,7 @@ class AttentionBackwardSm90:
         kv blocks * kv heads * head_splits) the CTAs' launch order, each kv_slot * kv blocks +
         block (launch_order). head_splits:
         CTAs per (K/V block, kv head), each taking an equal share of its query heads; more than
-        1 needs Float32 dk/dv: the shares reduce-add into a kv head's, or each into its own.
+        1 needs Float32 dk/dv: the shares reduce-add into their kv head's.
         rotate: nonzero for rotated walks (deterministic, not causal; see the module docstring):
         the caller's promise that the CTAs of one (kv head, batch) fit on the GPU at once."""
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype
@@ -198,8 +218,8 @@ class AttentionBackwardSm90:
             raise TypeError("dq must be Float32")
         if const_expr(mdK.element_type != self.dkv_dtype or mdV.element_type != self.dkv_dtype):
             raise TypeError("dk, dv must have dkv_dtype")
-        if const_expr(self.deterministic != (mSem is not None)):
-            raise TypeError("sem is required exactly in deterministic mode")
+        if const_expr(self.deterministic != (mSem is not None) or self.deterministic != (mSemKV is not None)):
+            raise TypeError("sem and sem_kv are required exactly in deterministic mode")
         if const_expr(self.has_docs != (mKeyBlocks is not None)):
             raise TypeError("the document ranges are required exactly when has_docs")
         if const_expr(self.doc_order != (mOrder is not None)):
@@ -210,8 +230,8 @@ class AttentionBackwardSm90:
 
         mQ, mK, mV, mdO, mdK, mdV = (seq_major(t) for t in (mQ, mK, mV, mdO, mdK, mdV))
         mLSE, mDelta, mdQ = (rows_major(t) for t in (mLSE, mDelta, mdQ))
-        if const_expr(mSem is not None):
-            mSem = rows_major(mSem)
+        if const_expr(self.deterministic):
+            mSem, mSemKV = rows_major(mSem), rows_major(mSemKV)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         d = self.head_dim
@@ -245,7 +265,7 @@ class AttentionBackwardSm90:
             Float32(softmax_scale), Float32(softmax_scale * LOG2_E), Int32(head_splits), Int32(rotate),
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout, self.sdS_layout,
             self.sdKV_layout, self.mma_sdp, self.mma_dkv, self.mma_dq, Storage,
-            mKeyLo, mKeyHi, mQueryBlocks, mKeyBlocks, mOrder,
+            mKeyLo, mKeyHi, mQueryBlocks, mKeyBlocks, mOrder, mSemKV,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device side
@@ -266,7 +286,7 @@ class AttentionBackwardSm90:
                # it stays the one it had before they existed.
                mKeyLo: Optional[cute.Tensor], mKeyHi: Optional[cute.Tensor],
                mQueryBlocks: Optional[cute.Tensor], mKeyBlocks: Optional[cute.Tensor],
-               mOrder: Optional[cute.Tensor]):
+               mOrder: Optional[cute.Tensor], mSemKV: Optional[cute.Tensor]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_slot, batch = cute.arch.block_idx()
@@ -351,11 +371,9 @@ class AttentionBackwardSm90:
                 seqlen_q, seqlen_k, n_block, batch, mKeyLo, mKeyHi,
                 BwdStepScheduler(kv_slot * heads, m_block_min, steps_per_head, rotation),
                 num_steps)
-            # dk/dv hold a head per kv head, whose shares add into it, or one per share (the
-            # host sums the shares in a fixed order: deterministic mode).
-            dkv_head = kv_slot * tdK.shape[2] // (tK.shape[2] * head_splits)
             self._epilogue_dkv(acc_dK, acc_dV, tiles, sdKV_layout, tdK, tdV, tma_dk, tma_dv,
-                               mma_dkv, tidx - WG_THREADS, n_block, dkv_head, batch)
+                               mma_dkv, tidx - WG_THREADS, n_block, kv_head, batch, mSemKV,
+                               kv_slot - kv_head * head_splits, head_splits)
 
     @cute.jit
     def _pipelines(self, st, warp_idx):
@@ -457,10 +475,7 @@ class AttentionBackwardSm90:
                         turn = self._rotated_turn(n_block, m_block, num_n_blocks,
                                                   steps.steps_per_head, steps.rotation)
                 sem_ptr = (mSem[None, head, batch].iterator + m_block)
-                if lane == 0:
-                    seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
-                    while seen != turn:
-                        seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+                wait_turn(sem_ptr, turn)
             gdQ = mdQ[None, head, batch].iterator + m_block * NUM_MMA_WG * self.dq_part
             for wg in cutlass.range_constexpr(NUM_MMA_WG):
                 cute.arch.barrier(barrier_id=BwdBarrier.DQ_FULL + wg, number_of_threads=WG_THREADS + 32)
@@ -469,12 +484,7 @@ class AttentionBackwardSm90:
                                          part_bytes)
                     cute.arch.cp_async_bulk_commit_group()
             if const_expr(self.deterministic):
-                if lane == 0:
-                    # Both parts have landed in global memory before the next KV block may add.
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)
-                    cute.arch.red(sem_ptr, Int32(1), op="add", dtype="s32", sem="release",
-                                  scope="gpu")
-                cute.arch.sync_warp()
+                pass_turn(sem_ptr)  # both parts landed before the next KV block may add
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
 
@@ -664,9 +674,11 @@ class AttentionBackwardSm90:
     @cute.jit
     def _epilogue_dkv(self, acc_dK, acc_dV, tiles, sdKV_layout: cute.ComposedLayout, tdK, tdV,
                       tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, mma_dkv: cute.TiledMma,
-                      tidx, n_block, kv_head, batch):
+                      tidx, n_block, kv_head, batch, mSemKV: Optional[cute.Tensor], share, head_splits):
         """Stage dK and dV in the Q/dO/K/V tiles and store (or add, for fp32 buffers) them with
-        TMA; the tensor map clips rows past seqlen_k."""
+        TMA; the tensor map clips rows past seqlen_k. Deterministic, the head_splits shares of
+        one (K/V block, kv head) add in the order of their query heads, so that the sums' bits do
+        not depend on which share finishes first."""
         # Both warp groups are past their last product (each dQ product reads all of K).
         mma_threads = NUM_MMA_WG * WG_THREADS
         cute.arch.barrier(barrier_id=BwdBarrier.EPILOGUE, number_of_threads=mma_threads)
@@ -685,6 +697,10 @@ class AttentionBackwardSm90:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=BwdBarrier.EPILOGUE, number_of_threads=mma_threads)
         if cute.arch.make_warp_uniform(tidx // 32) == 0:
+            if const_expr(self.deterministic):
+                if head_splits > 1:
+                    wait_turn(mSemKV[None, kv_head, batch].iterator + n_block, share)
+                    cute.arch.sync_warp()
             one = cute.make_layout(1)
             for tma, gOut, sOut in ((tma_dv, tdV, sdV), (tma_dk, tdK, sdK)):
                 g = cute.local_tile(gOut[None, None, kv_head, batch], (self.tile_n, self.head_dim),
@@ -693,5 +709,9 @@ class AttentionBackwardSm90:
                                                  cute.group_modes(g, 0, 2))
                 cute.copy(tma, s_t, g_t)
             cute.arch.cp_async_bulk_commit_group()
-            # Shared memory must outlive the reads of the copies.
+            # Shared memory must outlive the reads of the copies (and, ordered, the next share
+            # adds only once they have landed).
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if const_expr(self.deterministic):
+                if head_splits > 1:
+                    pass_turn(mSemKV[None, kv_head, batch].iterator + n_block)

@@ -59,22 +59,22 @@ def _bwd_args(cfg: BwdSm90Config):
     dt = CUTLASS_DTYPES[cfg.dtype]
     kernel = AttentionBackwardSm90(dt, cfg.head_dim, cfg.causal, cfg.deterministic,
                                    Float32 if cfg.dkv_fp32 else dt, cfg.has_docs, cfg.doc_order)
-    # dk, dv have their own head count: hk, or hk * head_splits (a head per share; bwd_sm90)
-    b, sq, sk, h, hk, hk_dkv, sq_pad, n_m, dq_len, n_n = (cute.sym_int() for _ in range(10))
+    b, sq, sk, h, hk, sq_pad, n_m, dq_len, n_n = (cute.sym_int() for _ in range(9))
     d = cfg.head_dim
     dq_acc = _fake(Float32, (b, h, dq_len), align_elems=4)  # fragment order
-    sem = (cute.runtime.make_fake_tensor(Int32, (b, h, n_m), stride=(cute.sym_int64(), n_m, 1),
-                                         assumed_align=4) if cfg.deterministic else None)
+    sem, sem_kv = ((cute.runtime.make_fake_tensor(Int32, (b, heads, n), stride=(cute.sym_int64(), n, 1),
+                                                  assumed_align=4) if cfg.deterministic else None)
+                   for heads, n in ((h, n_m), (hk, n_n)))
     q, k, v, do = (_bshd(dt, b, s, n, d) for s, n in ((sq, h), (sk, hk), (sk, hk), (sq, h)))
     lse2, delta = (_fake(Float32, (b, h, sq_pad), align_elems=4) for _ in range(2))
-    dk, dv = (_bshd(Float32 if cfg.dkv_fp32 else dt, b, sk, hk_dkv, d) for _ in range(2))
+    dk, dv = (_bshd(Float32 if cfg.dkv_fp32 else dt, b, sk, hk, d) for _ in range(2))
     docs = (None,) * 5
     if cfg.has_docs:
         blocks = (cute.runtime.make_fake_tensor(Int32, (b, n, 2), stride=(cute.sym_int64(), 2, 1),
                                                 assumed_align=4) for n in (n_n, n_m))
         order = _fake(Int32, (b, cute.sym_int()), assumed_align=4) if cfg.doc_order else None
         docs = (*(_fake(Int32, (b, sq), assumed_align=4) for _ in range(2)), *blocks, order)
-    return kernel, (q, k, v, do, lse2, delta, dq_acc, dk, dv, sem, *docs, Float32(1.0), Int32(1), Int32(0),
+    return kernel, (q, k, v, do, lse2, delta, dq_acc, dk, dv, sem, *docs, sem_kv, Float32(1.0), Int32(1), Int32(0),
                     _stream())
 
 

@@ -206,8 +206,9 @@ def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc
     return out, lse
 
 
-# Causal keys from which deterministic GQA takes one query head per backward CTA (head_splits).
-DETERMINISTIC_SPLIT_KEYS = 8192
+# Causal keys, by head_dim, from which deterministic GQA takes one query head per backward CTA
+# (head_splits).
+DETERMINISTIC_SPLIT_KEYS = {64: 16384, 128: 2048}
 
 
 def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, deterministic, sms,
@@ -221,12 +222,14 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
     causal while the longest CTA holds more than half an SM's even share. Shares sum dK/dV by
     fp32 reduce-adds, whose order varies.
 
-    Deterministic mode orders each dQ tile's reductions over the K/V blocks. Causal, from 8k
-    keys on, it ran at 0.64-0.78x of the default with a group of 4 heads per CTA and at
-    0.93-0.96x with one (H200, 32/8 heads); so there, and where the default splits, it takes one
-    query head per CTA, each share writing its own dK/dV for the host to sum in a fixed order.
-    Otherwise those fp32 shares cost more than they save (0.59-0.90x of the default against
-    0.85-0.97x unsplit) and it does not split.
+    Deterministic mode orders each dQ tile's reductions over the K/V blocks, and the shares'
+    dK/dV reduce-adds by query head. Causal, a group of 4 heads per CTA ran at 0.69-0.73x of the
+    default at 2k-4k keys and 0.57-0.64x at 8k-32k with hdim 128 (H100, 32/8 heads), against
+    0.84-0.95x with one head per CTA; with hdim 64 unsplit stays ahead up to 8k (0.94-0.99x against
+    0.67-0.96x) and falls behind from 16k (0.89x against 0.92x; 0.66x against 0.96x at 32k). So
+    from DETERMINISTIC_SPLIT_KEYS[head_dim] causal keys on, and where the default splits, it takes
+    one query head per CTA; non-causal (rotated walks) it does not split (0.87-0.93x against
+    0.73-0.89x).
 
     With documents a K/V block walks only the query tiles its documents reach, so the blocks'
     walks differ widely and the longest sets the kernel's time: non-causal calls (a ring's remote
@@ -249,7 +252,7 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
             break
         splits *= 2
     if deterministic:
-        return group if causal and (splits > 1 or seqlen_k >= DETERMINISTIC_SPLIT_KEYS) else 1
+        return group if causal and (splits > 1 or seqlen_k >= DETERMINISTIC_SPLIT_KEYS[head_dim]) else 1
     return group if has_docs and not causal else splits
 
 
@@ -292,20 +295,19 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
 
     splits = head_splits(b, sq, sk, h, hk, d, causal, deterministic, _sms(q), doc_ids is not None)
     # fp32 dk/dv the kernel can address are added into by the kernel; else it writes new ones,
-    # or, with split heads, sums them into zeroed fp32 ones; deterministic shares each add
-    # into a head of their own, summed below.
+    # or, with split heads, sums them into zeroed fp32 ones (deterministic: in a fixed order).
     given_fp32 = all(t is not None and t.dtype == torch.float32 and tma_compatible(t) for t in (dk, dv))
-    if splits > 1 and deterministic:
-        dk_out, dv_out = (torch.zeros((b, sk, hk * splits, d), dtype=torch.float32, device=q.device)
-                          for _ in range(2))
-    elif given_fp32:
+    if given_fp32:
         dk_out, dv_out = dk, dv
     elif splits > 1:
         dk_out, dv_out = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
     else:
         dk_out, dv_out = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
-    sem = (torch.zeros((b, h, padded_rows(sq, d) // query_tile(d)), dtype=torch.int32, device=q.device)
-           if deterministic else None)
+    sems = (None, None)
+    if deterministic:  # turn counters ordering the dQ tiles' and the dK/dV blocks' reductions
+        n_m, n_n = padded_rows(sq, d) // query_tile(d), -(-sk // key_tile())
+        counters = torch.zeros(b * (h * n_m + hk * n_n), dtype=torch.int32, device=q.device)
+        sems = (counters[:b * h * n_m].view(b, h, n_m), counters[b * h * n_m:].view(b, hk, n_n))
     config = bwd_defaults(DTYPE_NAMES[q.dtype], d, bool(causal), bool(deterministic),
                           dk_out.dtype == torch.float32, doc_ids is not None)
     if doc_order is not None:
@@ -315,7 +317,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         order = launch_order(doc_ids, causal, d, hk * splits) if config.doc_order else None
         docs = (*visible_blocks(doc_ids, causal, d), order)
     compiled(config)(q.detach(), k.detach(), v.detach(), dout, rows.lse2, rows.delta, rows.dq_acc,
-                     dk_out, dv_out, sem, *docs, scale, splits,
+                     dk_out, dv_out, sems[0], *docs, sems[1], scale, splits,
                      int(rotates(sk, causal, deterministic, _sms(q))))
 
     if rows is not dq:  # dq <- (or +=) the accumulator; a dq it cannot address gets a fresh one added
@@ -323,8 +325,6 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         dq_out = dq if add else torch.empty_like(q, memory_format=torch.contiguous_format)
         postprocess_dq(rows.dq_acc, dq_out, add)
         dq = dq_out if add else _added(dq, dq_out)
-    if dk_out.shape[2] != hk:
-        dk_out, dv_out = (t.view(b, sk, hk, splits, d).sum(3) for t in (dk_out, dv_out))
     if dk_out is not dk:
         dk, dv = (_added(given, fresh if given is not None else fresh.to(t.dtype))
                   for given, fresh, t in ((dk, dk_out, k), (dv, dv_out, v)))
