@@ -143,8 +143,8 @@ class AttentionBackwardSm90:
         # hdim 128: the lse goes into registers while S^T is computed (loaded after S^T's wait,
         # the first exp2 stalls on the shared-memory load: ~10% of the kernel's stall samples),
         # and dS^T is computed so that ptxas cannot wait for dP^T before the exp2s (_score_grads).
-        # hdim 64 keeps the plain order, which measured faster there (RESULTS).
-        self.early_stats = head_dim == 128
+        # hdim 64 and documents keep the plain order, which measured faster there (RESULTS).
+        self.early_stats = head_dim == 128 and not has_docs
 
     # ---------------------------------------------------------------- host side (traced once)
     def _layouts(self):
