@@ -205,9 +205,9 @@ class AttentionBackwardSm90:
         tile_m) fp32, lse2 in log2 units with +inf on rows that see no key; dq_acc (b, h,
         sq tiles * tile_m * head_dim) fp32 in fragment order (dq_layout.py; added into); dk, dv
         (b, sk, hk, d) of dkv_dtype; sem (b, h, sq tiles) and sem_kv (b, hk, kv blocks) int32
-        zeros when deterministic (the orders of dQ's and dK/dV's reductions), else None. With has_docs (else
-        None), int32: key_lo, key_hi (b, sq) each query's visible keys (its document's);
-        query_blocks (b, kv blocks, 2) the query tiles [first, end) each KV block visits;
+        zeros when deterministic (the orders of dQ's and dK/dV's reductions), else None. With
+        has_docs (else None), int32: key_lo, key_hi (b, sq) each query's visible keys (its
+        document's); query_blocks (b, kv blocks, 2) the query tiles [first, end) each KV block visits;
         key_blocks (b, query tiles, 2) the first and last KV block visiting each query tile
         (deterministic order), all from the host's visible_blocks; with doc_order, order (b,
         kv blocks * kv heads * head_splits) the CTAs' launch order, each kv_slot * kv blocks +
@@ -223,7 +223,7 @@ class AttentionBackwardSm90:
             raise TypeError("dq must be Float32")
         if const_expr(mdK.element_type != self.dkv_dtype or mdV.element_type != self.dkv_dtype):
             raise TypeError("dk, dv must have dkv_dtype")
-        if const_expr(self.deterministic != (mSem is not None) or self.deterministic != (mSemKV is not None)):
+        if const_expr(any(self.deterministic != (t is not None) for t in (mSem, mSemKV))):
             raise TypeError("sem and sem_kv are required exactly in deterministic mode")
         if const_expr(self.has_docs != (mKeyBlocks is not None)):
             raise TypeError("the document ranges are required exactly when has_docs")
