@@ -208,8 +208,8 @@ class AttentionBackwardSm90:
         (b, sk, hk, d) of dkv_dtype; sem (b, h, sq tiles) and sem_kv (b, hk, kv blocks) int32
         zeros when deterministic (the orders of dQ's and dK/dV's reductions), else None. With
         has_docs (else None), int32: key_lo, key_hi (b, sq) each query's visible keys (its
-        document's); query_blocks (b, kv blocks, 2) the query tiles [first, end) each KV block visits;
-        key_blocks (b, query tiles, 2) the first and last KV block visiting each query tile
+        document's); query_blocks (b, kv blocks, 2) the query tiles [first, end) each KV block
+        visits; key_blocks (b, query tiles, 2) the first and last KV block visiting each query tile
         (deterministic order), all from the host's visible_blocks; with doc_order, order (b,
         kv blocks * kv heads * head_splits) the CTAs' launch order, each kv_slot * kv blocks +
         block (launch_order). head_splits:
@@ -617,7 +617,7 @@ class AttentionBackwardSm90:
 
     @cute.jit
     def _row_stats(self, ops, sStat, stage):
-        """This thread's query rows' values of a per-row statistic (lse2 or delta) of the stage."""
+        """This thread's query rows' values of a per-row statistic (lse2) of the stage."""
         vals = cute.make_rmem_tensor(cute.size(ops.cS, mode=[0]), Float32)
         for r in cutlass.range_constexpr(cute.size(vals)):
             vals[r] = sStat[ops.cS[r, 0][1], stage]
