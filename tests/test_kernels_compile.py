@@ -19,8 +19,8 @@ import ringfa4.backends.cute as cute_backend
 from ringfa4.backends.cute.configs import VARIANTS, DqPostprocessConfig, MergeConfig, fwd_variant
 
 
-SUBSET = (r"^fwd_sm90_|^bwd_sm90_bf16_d(64|128)_(full|causal)_atomic_dkvstore(_docs_docorder)?$"
-          r"|^bwd_sm90_bf16_d128_causal_det_dkvadd32_docs$")
+SUBSET = (r"^fwd_sm90_|^bwd_sm90_bf16_d(64_m128|128_m64)_(full|causal)_atomic_dkvstore(_docs_docorder)?$"
+          r"|^bwd_sm90_bf16_d128_m64_causal_det_dkvadd32_docs$|^bwd_sm90_bf16_d128_m80_full_det_dkvstore$")
 
 
 def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_shipped_variants(tmp_path):
@@ -35,7 +35,8 @@ def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_shipped_variants(tmp_path):
     # 2 dtypes x 2 head dims x causal or not, long and (d128 full, d64 causal) short tiles
     assert sum(v.name.startswith("fwd_") for v in chosen) == 24
     assert sum(v.name.startswith("fwd_") and v.name.endswith("_docs") for v in chosen) == 12
-    assert sum(v.name.startswith("bwd_") for v in chosen) == 9
+    # d64 and d128 x causal or not, without and with documents; 2 deterministic (one 80-row)
+    assert sum(v.name.startswith("bwd_") for v in chosen) == 10
     assert sum(v.name.startswith("bwd_") and "_docs" in v.name for v in chosen) == 5
     lines = [line for line in run.stdout.splitlines() if line.strip()]
     assert len(lines) == len(chosen)
@@ -53,20 +54,36 @@ def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_shipped_variants(tmp_path):
 
 @pytest.mark.parametrize("dtype,add", [("bf16", False), ("fp16", False), ("fp32", True),
                                        ("bf16", True)])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_dq_postprocess_moves_16_bytes_per_access(dtype, add, head_dim, tmp_path):
+@pytest.mark.parametrize("head_dim,tile_m", [(64, 128), (128, 64)])
+def test_dq_postprocess_moves_16_bytes_per_access(dtype, add, head_dim, tile_m, tmp_path):
     """The backward's dQ postprocess reads the kernel's accumulator and writes (or adds into) dq
     with 16-byte accesses only: per thread, 2 runs of 64 bytes in, 2 x 2 row pieces of 8 values
     out."""
     from ringfa4.backends.cute.compile import compile_variant
 
-    config = DqPostprocessConfig(dtype, head_dim, add)
+    config = DqPostprocessConfig(dtype, head_dim, tile_m, add)
     ptx = compile_variant(config, options=f"--keep-ptx --dump-dir {tmp_path}").__ptx__
     assert ".target sm_90a" in ptx
     per_piece = {"bf16": 1, "fp16": 1, "fp32": 2}[dtype]  # 16-byte accesses per 8 values of dq
     assert all(".v4" in match.group(0) for match in re.finditer(r"\b(ld|st)\.global[.\w]*", ptx))
     assert len(re.findall(r"\bld\.global", ptx)) == 8 + (4 * per_piece if add else 0)
     assert len(re.findall(r"\bst\.global", ptx)) == 4 * per_piece
+
+
+@pytest.mark.parametrize("dtype,add", [("bf16", False), ("fp32", True)])
+def test_dq_postprocess_of_80_row_tiles_reads_16_bytes_and_writes_single_values(dtype, add, tmp_path):
+    """80-row tiles hold dQ^T (dq_layout.py): the postprocess still reads 2 runs of 64 bytes per
+    thread, and writes (adds into) 2 columns of 8 query rows with one value per access (the lanes
+    of a warp cover 32 columns of one row)."""
+    from ringfa4.backends.cute.compile import compile_variant
+
+    ptx = compile_variant(DqPostprocessConfig(dtype, 128, 80, add),
+                          options=f"--keep-ptx --dump-dir {tmp_path}").__ptx__
+    loads = [m.group(0) for m in re.finditer(r"\bld\.global[.\w]*", ptx)]
+    stores = [m.group(0) for m in re.finditer(r"\bst\.global[.\w]*", ptx)]
+    assert sum(".v4" in x for x in loads) == 8
+    assert len(loads) == 8 + (32 if add else 0) and len(stores) == 32
+    assert not any(".v" in x for x in stores)
 
 
 @pytest.mark.parametrize("out_dtype,part_dtype", [("bf16", "bf16"), ("fp32", "bf16")])
@@ -115,17 +132,17 @@ def _some_missing(lengths, gen):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_backward_document_ranges_cover_every_visible_pair_and_order_each_tile(causal, head_dim):
+@pytest.mark.parametrize("tile_m", [64, 80, 128])
+def test_backward_document_ranges_cover_every_visible_pair_and_order_each_tile(causal, tile_m):
     """visible_blocks (host side, plain torch): every visible (query, key) pair lies in a query
     tile its key block visits, and the blocks visiting a query tile are exactly the run from its
     first to its last block (what deterministic mode orders). Random documents, empty ones
     included (a non-causal ring step's queries and keys hold different documents)."""
     from ringfa4.backends.cute.interface import visible_blocks
-    from ringfa4.backends.cute.launch import key_tile, query_tile
+    from ringfa4.backends.cute.launch import key_tile
 
-    gen = torch.Generator().manual_seed(head_dim + causal)
-    tile_m, tile_n = query_tile(head_dim), key_tile()
+    gen = torch.Generator().manual_seed(tile_m + causal)
+    tile_n = key_tile()
     for _ in range(40):
         sq = int(torch.randint(1, 600, (), generator=gen))
         sk = sq if causal else int(torch.randint(1, 600, (), generator=gen))
@@ -138,7 +155,7 @@ def test_backward_document_ranges_cover_every_visible_pair_and_order_each_tile(c
         seen = q_ids[0, :, None] == k_ids[0, None, :]
         if causal:
             seen &= torch.ones(sq, sk, dtype=torch.bool).tril()
-        _, _, query_blocks, key_blocks = visible_blocks((q_ids, k_ids), causal, head_dim)
+        _, _, query_blocks, key_blocks = visible_blocks((q_ids, k_ids), causal, tile_m)
         query_blocks, key_blocks = query_blocks[0].tolist(), key_blocks[0].tolist()
         assert len(query_blocks) == -(-sk // tile_n) and len(key_blocks) == -(-sq // tile_m)
         for q, k in seen.nonzero().tolist():
@@ -172,8 +189,8 @@ def test_backward_launch_order_runs_every_cta_once_document_by_document_longest_
         q_len, k_len = (torch.bincount(torch.randint(0, docs, (n,), generator=gen), minlength=docs) for n in (sq, sk))
         ids = (_document_ids(q_len.tolist()), _document_ids(k_len.tolist()))
         slots = int(torch.randint(1, 5, (), generator=gen))
-        order = launch_order(ids, causal, 128, slots)[0].tolist()
-        query_blocks = visible_blocks(ids, causal, 128)[2][0].tolist()
+        order = launch_order(ids, causal, 64, slots)[0].tolist()
+        query_blocks = visible_blocks(ids, causal, 64)[2][0].tolist()
         n = len(query_blocks)
         assert sorted(order) == list(range(slots * n))
         doc = ids[1][0, ::key_tile()].tolist()
@@ -195,12 +212,12 @@ def test_backward_keeps_the_grids_launch_order_where_it_is_relied_on_or_meaningl
     from ringfa4.backends.cute.configs import bwd_defaults
     from ringfa4.kernels.bwd_sm90 import AttentionBackwardSm90
 
-    assert bwd_defaults("bf16", 128, True, False, False, True).doc_order
-    assert not bwd_defaults("bf16", 128, True, True, False, True).doc_order
-    assert not bwd_defaults("bf16", 128, True, False, False, False).doc_order
+    assert bwd_defaults("bf16", 128, 64, True, False, False, True).doc_order
+    assert not bwd_defaults("bf16", 128, 64, True, True, False, True).doc_order
+    assert not bwd_defaults("bf16", 128, 64, True, False, False, False).doc_order
     for deterministic, has_docs in ((True, True), (False, False)):
         with pytest.raises(ValueError, match="doc_order"):
-            AttentionBackwardSm90(BFloat16, 128, True, deterministic, BFloat16, has_docs, doc_order=True)
+            AttentionBackwardSm90(BFloat16, 128, 64, True, deterministic, BFloat16, has_docs, doc_order=True)
 
 
 @pytest.mark.parametrize("tile_m", [64, 128, 192])

@@ -69,8 +69,8 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from ringfa4.kernels import wgmma
 from ringfa4.kernels.barriers import BwdBarrier
-from ringfa4.kernels.dq_layout import (NUM_MMA_WG, REGS_PER_STORE, WG_THREADS, parts_split_rows,
-                                       query_tile)
+from ringfa4.kernels.dq_layout import (NUM_MMA_WG, QUERY_TILES, REGS_PER_STORE, WG_THREADS,
+                                       parts_split_rows, parts_transposed)
 from ringfa4.kernels.layout import acc_rows_view, carve, rows_major, seq_major, transpose
 from ringfa4.kernels.mask import AttentionMask
 from ringfa4.kernels.ptx import bulk_reduce_add_f32, convert_to
@@ -101,19 +101,22 @@ def pass_turn(sem_ptr: cute.Pointer):
 class AttentionBackwardSm90:
     """Compile-time configuration of the backward kernel; call it under ``cute.compile``.
 
-    dtype: Float16 or BFloat16 (q, k, v, dout). head_dim: 64 or 128. dkv_dtype: dtype of
+    dtype: Float16 or BFloat16 (q, k, v, dout). head_dim: 64 or 128. tile_m: query rows per
+    step, one of dq_layout.QUERY_TILES[head_dim]. dkv_dtype: dtype of
     dk/dv; Float32 means "add into", the input dtype means "overwrite". dq is always an fp32
     buffer that the kernel adds into.
     """
 
     num_threads = (NUM_MMA_WG + 1) * WG_THREADS
 
-    def __init__(self, dtype, head_dim: int, causal: bool, deterministic: bool, dkv_dtype,
-                 has_docs: bool = False, doc_order: bool = False):
+    def __init__(self, dtype, head_dim: int, tile_m: int, causal: bool, deterministic: bool,
+                 dkv_dtype, has_docs: bool = False, doc_order: bool = False):
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise ValueError(f"dtype must be Float16 or BFloat16, got {dtype}")
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
+        if tile_m not in QUERY_TILES[head_dim]:
+            raise ValueError(f"tile_m must be one of {QUERY_TILES[head_dim]} at head_dim {head_dim}, got {tile_m}")
         if dkv_dtype not in (dtype, Float32):
             raise ValueError(f"dkv_dtype must be {dtype} or Float32, got {dkv_dtype}")
         if doc_order and (deterministic or not has_docs):
@@ -129,23 +132,30 @@ class AttentionBackwardSm90:
         self.rotates = deterministic and not causal
         self.tile_n = 64 * NUM_MMA_WG
         # Register budget per MMA thread: S^T, dP^T (tile_m / 2 each) + dK, dV (head_dim / 2 each).
-        self.tile_m = query_tile(head_dim)
+        self.tile_m = tile_m
         self.stages = 2
+        # A stage of the lse / delta rows starts on 128 bytes, where TMA writes shared memory.
+        self.stats_stride = -(-tile_m // 32) * 32
         # dQ = dS K is split over the two MMA warp groups along rows when tile_m = 128, else
-        # along head_dim; each warp group reduces its own 64 x 64 part.
-        self.dq_split_rows = parts_split_rows(head_dim)
+        # along head_dim; each warp group reduces its own part. 80-row tiles compute
+        # dQ^T = K^T dS^T (dq_layout.py).
+        self.dq_split_rows = parts_split_rows(tile_m)
+        self.dq_transposed = parts_transposed(tile_m)
         self.dq_cols = head_dim if self.dq_split_rows else head_dim // NUM_MMA_WG
         self.dq_part = self.tile_m * head_dim // NUM_MMA_WG
         self.mma_regs = 240
         self.attention_mask = AttentionMask(self.tile_m, self.tile_n, causal, key_first=True,
                                             has_docs=has_docs)
         self.load_regs = 24
-        # hdim 128: the lse goes into registers while S^T is computed (loaded after S^T's wait,
-        # the first exp2 stalls on the shared-memory load: ~10% of the kernel's stall samples),
-        # and dS^T is computed with every instruction that reads dP^T also reading P^T
-        # (_score_grads), which ptxas schedules better there (3-6% in an A/B).
-        # hdim 64 and documents keep the plain order, which measured faster there (RESULTS).
-        self.early_stats = head_dim == 128 and not has_docs
+        # hdim 128, 64-row tiles: the lse goes into registers while S^T is computed (loaded
+        # after S^T's wait, the first exp2 stalls on the shared-memory load: ~10% of the
+        # kernel's stall samples), and dS^T is computed with every instruction that reads dP^T
+        # also reading P^T (_score_grads), which ptxas schedules better there (3-6% in an A/B).
+        # Documents take the second only (the first cost them 4-6%; both kept, one document
+        # gives the dense bits); hdim 64 and 80-row tiles neither, which measured faster there
+        # (RESULTS).
+        self.ds_from_p = head_dim == 128 and tile_m == 64
+        self.early_stats = self.ds_from_p and not has_docs
 
     # ---------------------------------------------------------------- host side (traced once)
     def _layouts(self):
@@ -167,14 +177,18 @@ class AttentionBackwardSm90:
         self.mma_dkv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, MN, Float32, wg_rows, (64, self.head_dim),
             a_source=warpgroup.OperandSource.RMEM)
-        # dQ = dS K from shared memory.
-        self.mma_dq = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K, MN, Float32,
-            wg_rows if self.dq_split_rows else (1, NUM_MMA_WG, 1), (64, self.dq_cols))
+        # dQ = dS K (or dQ^T = K^T dS^T) from shared memory.
+        if self.dq_transposed:
+            self.mma_dq = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, MN, K, Float32, wg_rows, (64, self.tile_m))
+        else:
+            self.mma_dq = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K, MN, Float32,
+                wg_rows if self.dq_split_rows else (1, NUM_MMA_WG, 1), (64, self.dq_cols))
 
     def _storage(self):
         d_q, d_k, d_s = (cute.cosize(l) for l in (self.sQ_layout, self.sK_layout, self.sdS_layout))
-        stats = self.tile_m * self.stages
+        stats = self.stats_stride * self.stages
         # Q, dO, K, V back to back, in elements of dtype; the dK/dV epilogue reuses the region.
         self.tile_offsets = (0, d_q, 2 * d_q, 2 * d_q + d_k)
         tile_elems = 2 * d_q + 2 * d_k
@@ -320,8 +334,8 @@ class AttentionBackwardSm90:
             carve(tiles + offset, layout, self.dtype)
             for offset, layout in zip(self.tile_offsets, (sQ_layout, sdO_layout, sK_layout, sV_layout)))
         sdS = st.ds.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sLSE = st.lse.get_tensor(cute.make_layout((self.tile_m, self.stages)))
-        sDelta = st.delta.get_tensor(cute.make_layout((self.tile_m, self.stages)))
+        stats_layout = cute.make_layout((self.tile_m, self.stages), stride=(1, self.stats_stride))
+        sLSE, sDelta = st.lse.get_tensor(stats_layout), st.delta.get_tensor(stats_layout)
         sdQ = st.dq.get_tensor(cute.make_layout((self.dq_part, NUM_MMA_WG)))
 
         seqlen_q = tQ.shape[0]
@@ -554,9 +568,13 @@ class AttentionBackwardSm90:
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=BwdBarrier.PDS, number_of_threads=NUM_MMA_WG * WG_THREADS)
 
-            acc_dq = cute.make_rmem_tensor(mma_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
-            wgmma.gemm(mma_dq, acc_dq, ops.tdQrdS[None, None, None, stage], ops.tdQrK, zero_init=True,
-                       wait=1)
+            acc_dq = cute.make_rmem_tensor(ops.acc_shape_dq, Float32)
+            if const_expr(self.dq_transposed):
+                wgmma.gemm(mma_dq, acc_dq, ops.tdQrK, ops.tdQrdS[None, None, None, stage],
+                           zero_init=True, wait=1)
+            else:
+                wgmma.gemm(mma_dq, acc_dq, ops.tdQrdS[None, None, None, stage], ops.tdQrK,
+                           zero_init=True, wait=1)
             pipe_do.consumer_release(state)  # the dV product has read dO
             wgmma.gemm(mma_dkv, ops.acc_dK, wgmma.acc_as_operand_a(ds), ops.tdKrQ[None, None, None, stage],
                        zero_init=False, wait=1)
@@ -585,8 +603,14 @@ class AttentionBackwardSm90:
         ops.tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         ops.tdVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose(sdO)))
         ops.tdKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose(sQ)))
-        ops.tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-        ops.tdQrK = wg_dq.make_fragment_B(wg_dq.partition_B(transpose(sK)))
+        if self.dq_transposed:
+            ops.tdQrK = wg_dq.make_fragment_A(wg_dq.partition_A(transpose(sK)))
+            ops.tdQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
+            ops.acc_shape_dq = mma_dq.partition_shape_C((d, self.tile_m))
+        else:
+            ops.tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+            ops.tdQrK = wg_dq.make_fragment_B(wg_dq.partition_B(transpose(sK)))
+            ops.acc_shape_dq = mma_dq.partition_shape_C((self.tile_m, d))
 
         ops.acc_shape_s = mma_sdp.partition_shape_C((self.tile_n, self.tile_m))
         ops.acc_dK = cute.make_rmem_tensor(mma_dkv.partition_shape_C((self.tile_n, d)), Float32)
@@ -659,7 +683,7 @@ class AttentionBackwardSm90:
     @cute.jit
     def _score_grads(self, ops, acc_p, acc_dp, sDelta, stage, softmax_scale):
         """dS^T = P^T * (dP^T * scale - delta) in place in acc_dp (delta is already scaled), and
-        dS^T in 16 bits. With early_stats computed as dP^T * (P^T * scale) - P^T * delta, one
+        dS^T in 16 bits. With ds_from_p computed as dP^T * (P^T * scale) - P^T * delta, one
         instruction more per element, so that no instruction reading dP^T can run before its
         element's exp2 (ptxas still waits for dP^T before the first exp2: the wait sits before
         the first load of delta; RESULTS, 4af03c1)."""
@@ -668,7 +692,7 @@ class AttentionBackwardSm90:
         for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
             delta = sDelta[ops.cS[r, 0][1], stage]
             for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
-                if const_expr(self.early_stats):
+                if const_expr(self.ds_from_p):
                     dp_mn[r, c] = dp_mn[r, c] * (s_mn[r, c] * softmax_scale) - s_mn[r, c] * delta
                 else:
                     dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] * softmax_scale - delta)

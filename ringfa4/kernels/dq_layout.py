@@ -1,25 +1,29 @@
 """Where the backward kernel leaves dQ for its postprocess: the contract between bwd_sm90.py
 (which writes it) and bwd_postprocess.py (which reads it).
 
-Two MMA warp groups of 128 threads each compute a 64 x 64 part of every dQ tile (the parts split
-the tile's rows at head_dim 64, its columns at 128). A part is stored as [register group j]
-[thread t][REGS_PER_STORE registers], the wgmma accumulator of a thread in register order, so that
-register 4 j + 2 hh + e of thread 32 warp + 4 r + c holds row 16 warp + 8 hh + r and column
-8 j + 2 c + e of the part (PTX ISA, wgmma m64nNk16 D fragment). Per (batch, head) the parts
-follow each other by query tile, then warp group.
+Two MMA warp groups of 128 threads each compute one part of every dQ tile: 64 rows at head_dim
+64 (128-row tiles), 64 columns at 128. A part is the accumulator of a wgmma m64nNk16, stored as
+[register group j][thread t][REGS_PER_STORE registers], a thread's registers in order, so that
+register 4 j + 2 hh + e of thread 32 warp + 4 r + c holds accumulator row 16 warp + 8 hh + r and
+column 8 j + 2 c + e (PTX ISA, wgmma D fragment). The accumulator is the part itself (rows =
+query rows), or, for tiles of 80 query rows (no multiple of wgmma's 64), its transpose dQ^T
+(rows = head_dim columns, columns = query rows). Per (batch, head) the parts follow each other
+by query tile, then warp group.
 """
 NUM_MMA_WG = 2
 WG_THREADS = 128
-PART = 64  # a warp group's part of a dQ tile is PART x PART
+PART = 64  # a warp group's part spans PART rows (head_dim 64) or PART columns (128) of a tile
 REGS_PER_STORE = 4  # registers a thread stores side by side (16 bytes)
 
 
-def query_tile(head_dim: int) -> int:
-    """Rows of a dQ tile: 128 at head_dim 64 (the parts split the rows), 64 at 128 (they split
-    the columns)."""
-    return 128 if head_dim == 64 else 64
+QUERY_TILES = {64: (128,), 128: (64, 80)}  # the backward's query tiles (rows) at each head_dim
 
 
-def parts_split_rows(head_dim: int) -> bool:
+def parts_split_rows(tile_m: int) -> bool:
     """Whether the warp groups' parts split a dQ tile's rows (else its columns)."""
-    return query_tile(head_dim) == PART * NUM_MMA_WG
+    return tile_m == PART * NUM_MMA_WG
+
+
+def parts_transposed(tile_m: int) -> bool:
+    """Whether a part is held as dQ^T (the tile's rows are no multiple of wgmma's 64)."""
+    return tile_m % PART != 0

@@ -200,22 +200,24 @@ def test_backward_with_merged_lse_over_two_kv_halves_equals_full_backward():
     _assert_close("dv", dv, g64[2], glow[2])
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_query_state_sums_calls_over_row_chunks_like_one_backward(deterministic):
+@pytest.mark.parametrize("deterministic,tile_m", [(False, 64), (True, 64), (True, 80)])
+def test_query_state_sums_calls_over_row_chunks_like_one_backward(deterministic, tile_m):
     """The ring's use of a QueryState: calls over (query chunk, key half) pieces, with the global
     lse, add into one accumulator; its dq() and the pieces' dk, dv sums are the full gradient.
     600 rows end in a partial query tile; the poisoned allocator shows any accumulator or dq
-    element left unzeroed or unwritten."""
+    element left unzeroed or unwritten. Both head_dim 128 tiles (80 rows: deterministic without
+    causal; 64: the rest, and a causal ring's non-causal steps)."""
     b, sq, sk, h, hk, d = 2, 600, 1024, 4, 2, 128
     scale = 0.1
     q, k, v, dout = _inputs(b, sq, sk, h, hk, d, torch.bfloat16, seed=13, offset=8)
     out, lse, g64, glow = _references(q, k, v, dout, False, scale)
     _poison_allocator(q, k, v)
-    state = QueryState(dout, q, out, lse, scale)
+    state = QueryState(dout, q, out, lse, scale, tile_m)
     dk = torch.zeros(k.shape, device="cuda")
     dv = torch.zeros(v.shape, device="cuda")
-    pieces = [(slice(0, 256), slice(0, sk)), (slice(256, sq), slice(0, 512)),
-              (slice(256, sq), slice(512, sk))]
+    split = 4 * tile_m
+    pieces = [(slice(0, split), slice(0, sk)), (slice(split, sq), slice(0, 512)),
+              (slice(split, sq), slice(512, sk))]
     for rows, keys in pieces:
         got = cute_backend.backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows],
                                 lse[:, :, rows], False, scale, state.rows(rows), dk[:, keys],
@@ -231,7 +233,7 @@ def test_query_state_sums_calls_over_row_chunks_like_one_backward(deterministic)
 def test_query_state_refuses_rows_off_its_tiles_and_another_scale():
     q, k, v, dout = _inputs(1, 300, 300, 2, 2, 128, torch.bfloat16, seed=2)
     out, lse, _, _ = _references(q, k, v, dout, False, 0.1)
-    state = QueryState(dout, q, out, lse, 0.1)
+    state = QueryState(dout, q, out, lse, 0.1, 64)
     for bad in (slice(10, 300), slice(0, 100), slice(0, 300, 2), slice(64, 64)):
         with pytest.raises(ValueError, match="rows must be"):
             state.rows(bad)

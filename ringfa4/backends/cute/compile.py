@@ -57,7 +57,7 @@ def _fwd_args(cfg: FwdSm90Config):
 
 def _bwd_args(cfg: BwdSm90Config):
     dt = CUTLASS_DTYPES[cfg.dtype]
-    kernel = AttentionBackwardSm90(dt, cfg.head_dim, cfg.causal, cfg.deterministic,
+    kernel = AttentionBackwardSm90(dt, cfg.head_dim, cfg.tile_m, cfg.causal, cfg.deterministic,
                                    Float32 if cfg.dkv_fp32 else dt, cfg.has_docs, cfg.doc_order)
     b, sq, sk, h, hk, sq_pad, n_m, dq_len, n_n = (cute.sym_int() for _ in range(9))
     d = cfg.head_dim
@@ -90,7 +90,7 @@ def _postprocess_args(cfg: DqPostprocessConfig):
     dt = CUTLASS_DTYPES[cfg.dtype]
     b, s, h, length = (cute.sym_int() for _ in range(4))
     acc = _fake(Float32, (b, h, length), align_elems=4)
-    return DqPostprocess(dt, cfg.head_dim, cfg.add), (acc, _bshd(dt, b, s, h, cfg.head_dim), _stream())
+    return DqPostprocess(dt, cfg.head_dim, cfg.tile_m, cfg.add), (acc, _bshd(dt, b, s, h, cfg.head_dim), _stream())
 
 
 def _merge_args(cfg: MergeConfig):

@@ -53,6 +53,7 @@ class BwdSm90Config:
 
     dtype: str  # "bf16" | "fp16"
     head_dim: int
+    tile_m: int  # query rows per step (ringfa4.kernels.dq_layout.QUERY_TILES)
     causal: bool
     deterministic: bool
     dkv_fp32: bool  # dk, dv are fp32 buffers the kernel adds into (else written in dtype)
@@ -65,7 +66,8 @@ class BwdSm90Config:
 
     @property
     def name(self) -> str:
-        return (f"bwd_sm90_{self.dtype}_d{self.head_dim}_{'causal' if self.causal else 'full'}"
+        return (f"bwd_sm90_{self.dtype}_d{self.head_dim}_m{self.tile_m}"
+                f"_{'causal' if self.causal else 'full'}"
                 f"_{'det' if self.deterministic else 'atomic'}"
                 f"_{'dkvadd32' if self.dkv_fp32 else 'dkvstore'}" + ("_docs" if self.has_docs else "")
                 + ("_docorder" if self.doc_order else ""))
@@ -89,11 +91,13 @@ class DqPostprocessConfig:
 
     dtype: str  # of dq: "bf16" | "fp16" | "fp32"
     head_dim: int
+    tile_m: int  # the backward kernel's, which sets the accumulator's layout
     add: bool  # add into dq (else overwrite it)
 
     @property
     def name(self) -> str:
-        return f"bwd_dq_postprocess_{self.dtype}_d{self.head_dim}_{'add' if self.add else 'store'}"
+        return (f"bwd_dq_postprocess_{self.dtype}_d{self.head_dim}_m{self.tile_m}"
+                f"_{'add' if self.add else 'store'}")
 
 
 @dataclass(frozen=True)
@@ -137,12 +141,24 @@ def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False
                          tile_n=128 if causal else 176, lpt=causal, has_docs=has_docs)
 
 
-def bwd_defaults(dtype: str, head_dim: int, causal: bool, deterministic: bool, dkv_fp32: bool,
-                 has_docs: bool = False) -> BwdSm90Config:
-    """The backward kernel `backward` uses: with documents and a free launch order (not
-    deterministic), document by document, longest walk first (bench/RESULTS.md, "The backward's
-    launch order with documents")."""
-    return BwdSm90Config(dtype, head_dim, causal, deterministic, dkv_fp32, has_docs,
+def query_tile(head_dim: int, causal: bool, deterministic: bool) -> int:
+    """The backward's query tile (rows per step) for these inputs: 128 at head_dim 64; at 128,
+    80 for deterministic non-causal calls, else 64. 80-row tiles (FA3's and FA4's choice
+    without causal: each step's S^T and dP^T products 25% longer for the same K/V traffic) cut
+    the ordered dQ reductions' waits by a fifth: 1.04-1.07x at 4k-32k keys deterministic, but
+    0.95-0.99x in the default mode (bench/RESULTS.md, 80-row query tiles). A ring whose causal
+    and non-causal steps add into one dQ accumulator runs them all at the causal tile (the
+    accumulator's layout follows the tile)."""
+    return 128 if head_dim == 64 else (80 if deterministic and not causal else 64)
+
+
+def bwd_defaults(dtype: str, head_dim: int, tile_m: int, causal: bool, deterministic: bool,
+                 dkv_fp32: bool, has_docs: bool = False) -> BwdSm90Config:
+    """The backward kernel `backward` uses over query tiles of tile_m rows (the query state's:
+    query_tile() unless a ring's causal steps share it with non-causal ones): with documents and
+    a free launch order (not deterministic), document by document, longest walk first
+    (bench/RESULTS.md, "The backward's launch order with documents")."""
+    return BwdSm90Config(dtype, head_dim, tile_m, causal, deterministic, dkv_fp32, has_docs,
                          doc_order=has_docs and not deterministic)
 
 
@@ -153,20 +169,28 @@ def fwd_variant(dtype: str, head_dim: int, causal: bool, **overrides) -> FwdSm90
 
 # The shipped variants (`python -m ringfa4.kernels --dump` compiles each): the forward's
 # defaults, long and short, without and with documents; the backward's preprocess, main kernel (every causal /
-# deterministic / dK-dV mode, without and with documents) and dQ postprocess (dq fresh or given in the input dtype, or an fp32 dq to add into); and the
+# deterministic / dK-dV mode and query tile, without and with documents) and dQ postprocess (dq fresh or given in the input dtype, or an fp32 dq to add into); and the
 # ring's merge (two ranks sum in the input dtype, more in fp32: ringfa4.ring.attention._sum_dtype).
 _DTYPES = ("bf16", "fp16")
 _HEAD_DIMS = (64, 128)
+
+
+def _query_tiles(head_dim, causal, deterministic):
+    """The backward's tiles for these calls: inside a causal ring a non-causal step runs at the
+    causal tile too."""
+    return sorted({query_tile(head_dim, True, deterministic), query_tile(head_dim, causal, deterministic)})
+
+
 VARIANTS = (
     [fwd_defaults(dt, d, c, docs, seqlen_k)
      for docs in (False, True) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)
      for seqlen_k in ((None, 1) if (d, c) in SHORT_KEYS else (None,))]
     + [BwdPreprocessConfig(dt, d) for dt in _DTYPES for d in _HEAD_DIMS]
-    + [DqPostprocessConfig(dt, d, add)
-       for d in _HEAD_DIMS
+    + [DqPostprocessConfig(dt, d, m, add)
+       for d in _HEAD_DIMS for m in _query_tiles(d, False, True)
        for dt, add in (("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True), ("fp32", True))]
-    + [bwd_defaults(dt, d, c, det, f32, docs)
+    + [bwd_defaults(dt, d, m, c, det, f32, docs)
        for docs in (False, True) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)
-       for det in (False, True) for f32 in (False, True)]
+       for det in (False, True) for m in _query_tiles(d, c, det) for f32 in (False, True)]
     + [MergeConfig(out, part, d) for part in _DTYPES for out in (part, "fp32") for d in _HEAD_DIMS]
 )

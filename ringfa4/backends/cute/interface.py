@@ -15,8 +15,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ringfa4.backends import DqBuffer
-from ringfa4.backends.cute.configs import bwd_defaults, fwd_defaults
-from ringfa4.backends.cute.launch import compiled, key_tile, num_sms, query_tile
+from ringfa4.backends.cute.configs import bwd_defaults, fwd_defaults, query_tile
+from ringfa4.backends.cute.launch import compiled, key_tile, num_sms
 from ringfa4.backends.cute.query_state import (QueryRows, QueryState, padded_rows, postprocess_dq,
                                                query_rows)
 from ringfa4.backends.cute.tensors import (DTYPE_NAMES, INPUT_DTYPES, layout_reason, tma_compatible,
@@ -133,14 +133,14 @@ def visible_keys(doc_ids, tile_m):
     return _once(doc_ids, ("keys", tile_m), compute)
 
 
-def visible_blocks(doc_ids, causal, head_dim):
+def visible_blocks(doc_ids, causal, tile_m):
     """What the backward kernel reads of doc_ids, all int32 on the GPU (no host sync):
     visible_keys; per K/V block the query tiles [first, end) its keys' documents reach
     (b, kv blocks, 2); per query tile the first and last K/V block reaching it (b, query
     tiles, 2), the blocks whose dQ reductions a deterministic run orders. Both ends of a
     block's range are nondecreasing in the block, so the blocks reaching a tile are one run."""
     def compute():
-        tile_m, tile_n = query_tile(head_dim), key_tile()
+        tile_n = key_tile()
         q_ids, k_ids = (t.contiguous() for t in doc_ids)
         b, sq, sk = q_ids.shape[0], q_ids.shape[1], k_ids.shape[1]
         first_key = torch.arange(0, sk, tile_n, device=q_ids.device)
@@ -156,16 +156,16 @@ def visible_blocks(doc_ids, causal, head_dim):
         last_block = torch.searchsorted(m_first.contiguous(), tiles, side="right") - 1
         return (*visible_keys(doc_ids, tile_m), torch.stack((m_first, m_end), -1).int(),
                 torch.stack((first_block, last_block), -1).int())
-    return _once(doc_ids, ("blocks", causal, head_dim), compute)
+    return _once(doc_ids, ("blocks", causal, tile_m), compute)
 
 
-def launch_order(doc_ids, causal, head_dim, kv_slots):
+def launch_order(doc_ids, causal, tile_m, kv_slots):
     """The backward's launch order with documents (doc_order; int32 (b, kv_slots * kv blocks) on
     the GPU, no host sync): CTA i runs the (kv slot, KV block) order[:, i] = slot * kv blocks +
     block. Blocks go by the document of their first key, the document whose walk is longest
     first, every kv slot of a document before the next, a document's blocks in order."""
     def compute():
-        query_blocks = visible_blocks(doc_ids, causal, head_dim)[2]
+        query_blocks = visible_blocks(doc_ids, causal, tile_m)[2]
         walk = (query_blocks[..., 1] - query_blocks[..., 0]).long()
         b, n = walk.shape
         doc = doc_ids[1][:, ::key_tile()].contiguous()
@@ -176,7 +176,7 @@ def launch_order(doc_ids, causal, head_dim, kv_slots):
         block = torch.arange(n, device=walk.device)
         key = ((place[:, None, :] * kv_slots + slot) * n + block).view(b, -1)
         return torch.argsort(key, dim=1).int()
-    return _once(doc_ids, ("order", causal, head_dim, kv_slots), compute)
+    return _once(doc_ids, ("order", causal, tile_m, kv_slots), compute)
 
 
 def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc_ids=None):
@@ -212,7 +212,7 @@ DETERMINISTIC_SPLIT_KEYS = {64: 16384, 128: 2048}
 
 
 def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, deterministic, sms,
-                has_docs=False):
+                has_docs=False, tile_m=None):
     """How many backward CTAs share the query heads of one (K/V block, kv head) (GQA).
 
     One CTA walking every query head of its group needs no dK/dV reduction, but with few K/V
@@ -235,9 +235,10 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
     walks differ widely and the longest sets the kernel's time: non-causal calls (a ring's remote
     steps) give every query head a CTA. On the simulated 8-rank document ring (128k tokens, 4k
     documents, H200) the slowest rank went 16.7 -> 14.2 ms; dense non-causal steps run 5-20%
-    slower split, so they keep the rule above."""
+    slower split, so they keep the rule above. ``tile_m``: the kernel's query tile (None: the
+    default, configs.query_tile)."""
     group = heads // kv_heads
-    tile_m, tile_n = query_tile(head_dim), key_tile()
+    tile_m, tile_n = tile_m or query_tile(head_dim, causal, deterministic), key_tile()
     m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
     ctas = n_blocks * kv_heads * batch
     # causal: K/V block j is visited by the query tiles from j * tile_n / tile_m on
@@ -270,14 +271,15 @@ def _added(given, fresh):
 
 
 def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, dv=None,
-             deterministic=False, doc_ids=None, doc_order=None):
+             deterministic=False, doc_ids=None, doc_order=None, tile_m=None):
     """Gradients of attention with the softmax normalised by the given lse. Given dq/dk/dv
     receive the gradients added to what they hold (fp32 dk/dv by the kernel itself; dq by the
     postprocess that reads the kernel's accumulator). dq may also be the QueryRows of these
     queries (query_state): the kernel then adds into its accumulator and uses its lse2 and
     delta (lse and out are not read again) and returns it as dq. ``doc_ids``: packed documents
     (ringfa4.backends), the has_docs variant; K/V blocks no query sees get dK = dV = 0.
-    ``doc_order`` replaces the default launch order with documents (configs.bwd_defaults), for
+    ``doc_order`` replaces the default launch order with documents (configs.bwd_defaults), and
+    ``tile_m`` the default query tile (configs.query_tile; a QueryRows dq brings its own), for
     benchmarks and tests."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -289,11 +291,15 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         if dq.softmax_scale != scale:
             raise ValueError(f"softmax_scale ({scale}) must be the one of dq's QueryState "
                              f"({dq.softmax_scale})")
+        if tile_m not in (None, dq.tile_m):
+            raise ValueError(f"tile_m ({tile_m}) must be the one of dq's QueryState ({dq.tile_m})")
         rows = dq
     else:
-        rows = query_rows(dout, out, lse, scale)
+        rows = query_rows(dout, out, lse, scale, tile_m or query_tile(d, causal, deterministic))
+    tile_m = rows.tile_m
 
-    splits = head_splits(b, sq, sk, h, hk, d, causal, deterministic, _sms(q), doc_ids is not None)
+    splits = head_splits(b, sq, sk, h, hk, d, causal, deterministic, _sms(q), doc_ids is not None,
+                         tile_m)
     # fp32 dk/dv the kernel can address are added into by the kernel; else it writes new ones,
     # or, with split heads, sums them into zeroed fp32 ones (deterministic: in a fixed order).
     given_fp32 = all(t is not None and t.dtype == torch.float32 and tma_compatible(t) for t in (dk, dv))
@@ -305,17 +311,17 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         dk_out, dv_out = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
     sems = (None, None)
     if deterministic:  # turn counters ordering the dQ tiles' and the dK/dV blocks' reductions
-        n_m, n_n = padded_rows(sq, d) // query_tile(d), -(-sk // key_tile())
+        n_m, n_n = padded_rows(sq, tile_m) // tile_m, -(-sk // key_tile())
         counters = torch.zeros(b * (h * n_m + hk * n_n), dtype=torch.int32, device=q.device)
         sems = (counters[:b * h * n_m].view(b, h, n_m), counters[b * h * n_m:].view(b, hk, n_n))
-    config = bwd_defaults(DTYPE_NAMES[q.dtype], d, bool(causal), bool(deterministic),
+    config = bwd_defaults(DTYPE_NAMES[q.dtype], d, tile_m, bool(causal), bool(deterministic),
                           dk_out.dtype == torch.float32, doc_ids is not None)
     if doc_order is not None:
         config = replace(config, doc_order=doc_order)
     docs = (None,) * 5
     if doc_ids is not None:
-        order = launch_order(doc_ids, causal, d, hk * splits) if config.doc_order else None
-        docs = (*visible_blocks(doc_ids, causal, d), order)
+        order = launch_order(doc_ids, causal, tile_m, hk * splits) if config.doc_order else None
+        docs = (*visible_blocks(doc_ids, causal, tile_m), order)
     compiled(config)(q.detach(), k.detach(), v.detach(), dout, rows.lse2, rows.delta, rows.dq_acc,
                      dk_out, dv_out, sems[0], *docs, sems[1], scale, splits,
                      int(rotates(sk, causal, deterministic, _sms(q))))
@@ -323,7 +329,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     if rows is not dq:  # dq <- (or +=) the accumulator; a dq it cannot address gets a fresh one added
         add = dq is not None and tma_compatible(dq)
         dq_out = dq if add else torch.empty_like(q, memory_format=torch.contiguous_format)
-        postprocess_dq(rows.dq_acc, dq_out, add)
+        postprocess_dq(rows, dq_out, add)
         dq = dq_out if add else _added(dq, dq_out)
     if dk_out is not dk:
         dk, dv = (_added(given, fresh if given is not None else fresh.to(t.dtype))
@@ -331,9 +337,14 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     return dq, dk, dv
 
 
-def query_state(dout, q, out, lse, softmax_scale, chunk):
+def query_state(dout, q, out, lse, softmax_scale, chunk, causal, deterministic):
     """The backward kernel's QueryState when the steps' rows start on its query tiles (chunks of
-    whole tiles, or every step over all rows); DqBuffer otherwise."""
-    if chunk < q.shape[1] and chunk % query_tile(q.shape[-1]):
-        return DqBuffer(q, lse)
-    return QueryState(dout, q, out, lse, _scale(softmax_scale, q.shape[-1]))
+    whole tiles, or every step over all rows): the tile of ``causal`` steps (a causal ring's
+    non-causal steps share its accumulator, so they run at the causal tile), or the causal one
+    where the other does not divide the chunks (document rings align them to 128 rows);
+    DqBuffer otherwise."""
+    s, d = q.shape[1], q.shape[-1]
+    for tile_m in (query_tile(d, causal, deterministic), query_tile(d, True, deterministic)):
+        if chunk >= s or chunk % tile_m == 0:
+            return QueryState(dout, q, out, lse, _scale(softmax_scale, d), tile_m)
+    return DqBuffer(q, lse)

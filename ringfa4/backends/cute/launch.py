@@ -14,13 +14,6 @@ def compiled(config):
     return compile_variant(config)
 
 
-def query_tile(head_dim):
-    """Rows of the backward kernel's query tile (ringfa4.kernels.dq_layout)."""
-    from ringfa4.kernels.dq_layout import query_tile
-
-    return query_tile(head_dim)
-
-
 def key_tile():
     """Rows of the backward kernel's K/V block (one 64-row part per MMA warp group)."""
     from ringfa4.kernels.dq_layout import NUM_MMA_WG

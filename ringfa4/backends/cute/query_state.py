@@ -6,33 +6,33 @@ from dataclasses import dataclass
 import torch
 
 from ringfa4.backends.cute.configs import BwdPreprocessConfig, DqPostprocessConfig
-from ringfa4.backends.cute.launch import compiled, query_tile
+from ringfa4.backends.cute.launch import compiled
 from ringfa4.backends.cute.tensors import DTYPE_NAMES, rows_ready, tma_ready
 
 
 @dataclass(frozen=True)
 class QueryRows:
     """Whole query tiles of a QueryState, as views at their first tile: what a backward call
-    over those rows reads (lse2, delta) and adds its dQ into."""
+    over those rows reads (lse2, delta) and adds its dQ into, with tiles of tile_m rows."""
 
+    tile_m: int  # the backward's query tile, which sets dq_acc's layout
     dq_acc: torch.Tensor  # (b, h, tiles * tile_m * head_dim) fp32, fragment order
     lse2: torch.Tensor  # (b, h, tiles * tile_m) fp32, lse in log2 units
     delta: torch.Tensor  # (b, h, tiles * tile_m) fp32, softmax_scale * rowsum(dO * O)
     softmax_scale: float  # the one folded into delta
 
 
-def padded_rows(s, head_dim):
+def padded_rows(s, tile_m):
     """s query rows rounded up to whole query tiles."""
-    tile_m = query_tile(head_dim)
     return (s + tile_m - 1) // tile_m * tile_m
 
 
-def query_rows(dout, out, lse, softmax_scale):
-    """Preprocessed rows of (dout, out, lse) with a zeroed dQ accumulator."""
+def query_rows(dout, out, lse, softmax_scale, tile_m):
+    """Preprocessed rows of (dout, out, lse) with a zeroed dQ accumulator for tile_m-row tiles."""
     b, s, h, d = out.shape
-    padded = padded_rows(s, d)
+    padded = padded_rows(s, tile_m)
     dev = out.device
-    rows = QueryRows(torch.zeros((b, h, padded * d), dtype=torch.float32, device=dev),
+    rows = QueryRows(tile_m, torch.zeros((b, h, padded * d), dtype=torch.float32, device=dev),
                      torch.empty((b, h, padded), dtype=torch.float32, device=dev),
                      torch.empty((b, h, padded), dtype=torch.float32, device=dev),
                      float(softmax_scale))
@@ -42,9 +42,9 @@ def query_rows(dout, out, lse, softmax_scale):
     return rows
 
 
-def postprocess_dq(dq_acc, dq, add):
-    """dq <- (add: +=) the accumulator, in dq's dtype; dq must be TMA-addressable."""
-    compiled(DqPostprocessConfig(DTYPE_NAMES[dq.dtype], dq.shape[-1], add))(dq_acc, dq)
+def postprocess_dq(rows: QueryRows, dq, add):
+    """dq <- (add: +=) the accumulator of rows, in dq's dtype; dq must be TMA-addressable."""
+    compiled(DqPostprocessConfig(DTYPE_NAMES[dq.dtype], dq.shape[-1], rows.tile_m, add))(rows.dq_acc, dq)
 
 
 class QueryState:
@@ -55,12 +55,12 @@ class QueryState:
     an fp32 dq; and the fp32 dq itself.
 
     ``rows(sl)`` is what a call over the query rows ``sl`` takes as its ``dq``: sl must start
-    on a query tile (a multiple of query_tile(head_dim)) and end on one or at the end."""
+    on a query tile (a multiple of tile_m) and end on one or at the end; every call runs the
+    backward over tile_m-row tiles."""
 
-    def __init__(self, dout, q, out, lse, softmax_scale):
-        b, s, h, d = q.shape
-        self.shape, self.dtype, self.tile_m = (b, s, h, d), q.dtype, query_tile(d)
-        self._all = query_rows(dout, out, lse, softmax_scale)
+    def __init__(self, dout, q, out, lse, softmax_scale, tile_m):
+        self.shape, self.dtype, self.tile_m = q.shape, q.dtype, tile_m
+        self._all = query_rows(dout, out, lse, softmax_scale, tile_m)
 
     def rows(self, sl: slice) -> QueryRows:
         s, d, tile_m = self.shape[1], self.shape[3], self.tile_m
@@ -71,11 +71,11 @@ class QueryState:
         first, end = start // tile_m, (stop + tile_m - 1) // tile_m
         stats = slice(first * tile_m, end * tile_m)
         acc = slice(first * tile_m * d, end * tile_m * d)
-        return QueryRows(self._all.dq_acc[:, :, acc], self._all.lse2[:, :, stats],
+        return QueryRows(tile_m, self._all.dq_acc[:, :, acc], self._all.lse2[:, :, stats],
                          self._all.delta[:, :, stats], self._all.softmax_scale)
 
     def dq(self) -> torch.Tensor:
         """The summed dQ of every call so far, in the queries' dtype."""
         dq = torch.empty(self.shape, dtype=self.dtype, device=self._all.dq_acc.device)
-        postprocess_dq(self._all.dq_acc, dq, add=False)
+        postprocess_dq(self._all, dq, add=False)
         return dq
