@@ -81,12 +81,11 @@ from ringfa4.kernels.tile_scheduler import BwdStepScheduler
 @cute.jit
 def wait_turn(sem_ptr: cute.Pointer, turn: Int32):
     """Lane 0 spins until the counter at sem_ptr reaches turn (acquire: the reductions of the
-    CTAs that passed it before are visible); the warp goes on together."""
+    CTAs that passed it before are visible)."""
     if cute.arch.lane_idx() == 0:
         seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
         while seen != turn:
             seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
-    cute.arch.sync_warp()
 
 
 @cute.jit
@@ -744,11 +743,10 @@ class AttentionBackwardSm90:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=BwdBarrier.EPILOGUE, number_of_threads=mma_threads)
         if cute.arch.make_warp_uniform(tidx // 32) == 0:
-            sem_kv = None
             if const_expr(self.deterministic):
-                sem_kv = mSemKV[None, kv_head, batch].iterator + n_block
                 if head_splits > 1:
-                    wait_turn(sem_kv, share)
+                    wait_turn(mSemKV[None, kv_head, batch].iterator + n_block, share)
+                    cute.arch.sync_warp()
             one = cute.make_layout(1)
             for tma, gOut, sOut in ((tma_dv, tdV, sdV), (tma_dk, tdK, sdK)):
                 g = cute.local_tile(gOut[None, None, kv_head, batch], (self.tile_n, self.head_dim),
@@ -762,4 +760,4 @@ class AttentionBackwardSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
             if const_expr(self.deterministic):
                 if head_splits > 1:
-                    pass_turn(sem_kv)
+                    pass_turn(mSemKV[None, kv_head, batch].iterator + n_block)
