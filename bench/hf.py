@@ -8,7 +8,7 @@ tokens/s and peak memory of a training step.
     torchrun --nproc_per_node=2 bench/hf.py --smoke       # CPU, gloo: the cp mode's code path
 
 The model is transformers' LlamaForCausalLM built from a config of Llama 3.2 1B's shape (random
-weights, nothing downloaded): 16 layers, hidden 2048, 32 query / 8 kv heads of 128, ffn 8192,
+weights, nothing downloaded): 16 layers, hidden 2048, 32 query / 8 kv heads of 64, ffn 8192,
 vocab 128256, tied embeddings; AdamW, activation checkpointing (--activation-checkpointing,
 ringfa4.hf.enable_checkpointing: "full" recomputes every layer, "selective" all but the attention,
 ours or SDPA's alike), one sequence per step. One model serves both contenders, which
