@@ -170,7 +170,7 @@ def _kernels_ms(rank, timer, graphs=False):
     module, q, (k, v), dout = rank.backend, rank.q, rank.blocks[rank.rank], rank.dout
     out, lse = module.forward(q, k, v, rank.causal, rank.scale)
     state = module.query_state(dout, q, out, lse, rank.scale,
-                               schedule.row_chunk(rank.layout, rank.causal, q.shape[1]), rank.causal, False)
+                               schedule.row_chunk(rank.layout, rank.causal, q.shape[1]), False)
     shapes = {}
     for i in range(rank.world):
         s = schedule.plan(rank.rank, (rank.rank - i) % rank.world, rank.layout, rank.causal, q.shape[1])

@@ -14,12 +14,12 @@ Every backend module defines:
         global one inside a ring), so one ring step's result is exactly its share of the full
         gradient. Given dq/dk/dv buffers (any float dtype, fp32 in the ring) receive the gradients
         ADDED to what they hold and are returned; otherwise new tensors of the input dtype are.
-    query_state(dout, q, out, lse, softmax_scale, chunk, causal, deterministic) -> state with
-        rows(sl) and dq()
+    query_state(dout, q, out, lse, softmax_scale, chunk, deterministic) -> state with rows(sl)
+        and dq()
         Where a ring keeps dQ over its backward steps, which differ only in the keys:
         ``state.rows(sl)`` is what a step over the query rows sl passes as ``dq`` (every sl starts
-        on a multiple of ``chunk`` and ends on one or at the end; ``causal``, ``deterministic``:
-        the ring's, whose local step alone is causal), ``state.dq()`` the sum in q's dtype. A backend may also keep there what depends on the queries alone; DqBuffer, which
+        on a multiple of ``chunk`` and ends on one or at the end; ``deterministic``: the mode of
+        every step), ``state.dq()`` the sum in q's dtype. A backend may also keep there what depends on the queries alone; DqBuffer, which
         keeps just dQ, serves backends with nothing better.
 
 Arguments arrive checked: ringfa4.api validates them once per call (types, shapes, dtypes,

@@ -177,5 +177,5 @@ def _varlen_backward(dout, q, k, v, out, lse, causal, softmax_scale, determinist
     return tuple(g.view(b, -1, *g.shape[1:]) for g in grads)
 
 
-def query_state(dout, q, out, lse, softmax_scale, chunk, causal, deterministic):
+def query_state(dout, q, out, lse, softmax_scale, chunk, deterministic):
     return DqBuffer(q, lse)

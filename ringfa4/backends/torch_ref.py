@@ -115,5 +115,5 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     )
 
 
-def query_state(dout, q, out, lse, softmax_scale, chunk, causal, deterministic):
+def query_state(dout, q, out, lse, softmax_scale, chunk, deterministic):
     return DqBuffer(q, lse)

@@ -119,7 +119,7 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
     kv_saved = max(0, world - 2) - max(0, steps - 2)
     count_saved("bwd", kv_saved + world - steps, (kv_saved + world - steps) * _nbytes(kv))
     chunk = row_chunk(layout, causal, q.shape[1], narrowed=docs is not None)
-    queries = backend.query_state(dout, q, out, lse, softmax_scale, chunk, causal, deterministic)
+    queries = backend.query_state(dout, q, out, lse, softmax_scale, chunk, deterministic)
     sum_dtype = _sum_dtype(k, lse, steps)
     dkv = inbox = None
     dkv_works = []

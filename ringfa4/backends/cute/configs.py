@@ -141,21 +141,21 @@ def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False
                          tile_n=128 if causal else 176, lpt=causal, has_docs=has_docs)
 
 
-def query_tile(head_dim: int, causal: bool, deterministic: bool) -> int:
-    """The backward's query tile (rows per step) for these inputs: 128 at head_dim 64; at 128,
-    80 for deterministic non-causal calls, else 64. 80-row tiles (FA3's and FA4's choice
-    without causal: each step's S^T and dP^T products 25% longer for the same K/V traffic) cut
-    the ordered dQ reductions' waits by a fifth: 1.04-1.07x at 4k-32k keys deterministic, but
-    0.95-0.99x in the default mode (bench/RESULTS.md, 80-row query tiles). A ring whose causal
-    and non-causal steps add into one dQ accumulator runs them all at the causal tile (the
-    accumulator's layout follows the tile)."""
-    return 128 if head_dim == 64 else (80 if deterministic and not causal else 64)
+def query_tile(head_dim: int, deterministic: bool) -> int:
+    """The backward's query tile (rows per step): 128 at head_dim 64; at 128, 80 in
+    deterministic mode, else 64. 80-row tiles (FA3's and FA4's choice without causal: each
+    step's S^T and dP^T products 25% longer for the same K/V traffic) cut the ordered dQ
+    reductions' waits by a fifth: deterministic 1.00-1.07x non-causal and 1.01-1.12x causal,
+    but 0.92-0.99x in the default mode (bench/RESULTS.md, 80-row query tiles). Where a ring's
+    steps do not start on 80-row tiles, the deterministic backward runs at 64 rows
+    (interface.query_state)."""
+    return 128 if head_dim == 64 else (80 if deterministic else 64)
 
 
 def bwd_defaults(dtype: str, head_dim: int, tile_m: int, causal: bool, deterministic: bool,
                  dkv_fp32: bool, has_docs: bool = False) -> BwdSm90Config:
-    """The backward kernel `backward` uses over query tiles of tile_m rows (the query state's:
-    query_tile() unless a ring's causal steps share it with non-causal ones): with documents and
+    """The backward kernel `backward` uses over query tiles of tile_m rows (query_tile(), or a
+    ring's query state's): with documents and
     a free launch order (not deterministic), document by document, longest walk first
     (bench/RESULTS.md, "The backward's launch order with documents")."""
     return BwdSm90Config(dtype, head_dim, tile_m, causal, deterministic, dkv_fp32, has_docs,
@@ -175,10 +175,10 @@ _DTYPES = ("bf16", "fp16")
 _HEAD_DIMS = (64, 128)
 
 
-def _query_tiles(head_dim, causal, deterministic):
-    """The backward's tiles for these calls: inside a causal ring a non-causal step runs at the
-    causal tile too."""
-    return sorted({query_tile(head_dim, True, deterministic), query_tile(head_dim, causal, deterministic)})
+def _query_tiles(head_dim, deterministic):
+    """The backward's tiles in this mode: its own, and the default mode's for rings whose steps
+    do not start on its tiles."""
+    return sorted({query_tile(head_dim, deterministic), query_tile(head_dim, False)})
 
 
 VARIANTS = (
@@ -187,10 +187,10 @@ VARIANTS = (
      for seqlen_k in ((None, 1) if (d, c) in SHORT_KEYS else (None,))]
     + [BwdPreprocessConfig(dt, d) for dt in _DTYPES for d in _HEAD_DIMS]
     + [DqPostprocessConfig(dt, d, m, add)
-       for d in _HEAD_DIMS for m in _query_tiles(d, False, True)
+       for d in _HEAD_DIMS for m in _query_tiles(d, True)
        for dt, add in (("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True), ("fp32", True))]
     + [bwd_defaults(dt, d, m, c, det, f32, docs)
        for docs in (False, True) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)
-       for det in (False, True) for m in _query_tiles(d, c, det) for f32 in (False, True)]
+       for det in (False, True) for m in _query_tiles(d, det) for f32 in (False, True)]
     + [MergeConfig(out, part, d) for part in _DTYPES for out in (part, "fp32") for d in _HEAD_DIMS]
 )

@@ -238,11 +238,11 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
     slower split, so they keep the rule above. ``tile_m``: the kernel's query tile (None: the
     default, configs.query_tile)."""
     group = heads // kv_heads
-    tile_m, tile_n = tile_m or query_tile(head_dim, causal, deterministic), key_tile()
+    tile_m, tile_n = tile_m or query_tile(head_dim, deterministic), key_tile()
     m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
     ctas = n_blocks * kv_heads * batch
     # causal: K/V block j is visited by the query tiles from j * tile_n / tile_m on
-    per_head = (n_blocks * m_blocks - tile_n // tile_m * n_blocks * (n_blocks - 1) // 2 if causal
+    per_head = (n_blocks * m_blocks - tile_n / tile_m * n_blocks * (n_blocks - 1) / 2 if causal
                 else n_blocks * m_blocks)
     even_share = per_head * group * kv_heads * batch / sms
     splits = 1
@@ -295,7 +295,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
             raise ValueError(f"tile_m ({tile_m}) must be the one of dq's QueryState ({dq.tile_m})")
         rows = dq
     else:
-        rows = query_rows(dout, out, lse, scale, tile_m or query_tile(d, causal, deterministic))
+        rows = query_rows(dout, out, lse, scale, tile_m or query_tile(d, deterministic))
     tile_m = rows.tile_m
 
     splits = head_splits(b, sq, sk, h, hk, d, causal, deterministic, _sms(q), doc_ids is not None,
@@ -337,14 +337,13 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     return dq, dk, dv
 
 
-def query_state(dout, q, out, lse, softmax_scale, chunk, causal, deterministic):
+def query_state(dout, q, out, lse, softmax_scale, chunk, deterministic):
     """The backward kernel's QueryState when the steps' rows start on its query tiles (chunks of
-    whole tiles, or every step over all rows): the tile of ``causal`` steps (a causal ring's
-    non-causal steps share its accumulator, so they run at the causal tile), or the causal one
-    where the other does not divide the chunks (document rings align them to 128 rows);
-    DqBuffer otherwise."""
+    whole tiles, or every step over all rows): the mode's tile, or the default mode's where the
+    chunks are no multiple of it (deterministic 80-row tiles against power-of-two chunks, or
+    document rings' 128-row alignment); DqBuffer otherwise."""
     s, d = q.shape[1], q.shape[-1]
-    for tile_m in (query_tile(d, causal, deterministic), query_tile(d, True, deterministic)):
+    for tile_m in (query_tile(d, deterministic), query_tile(d, False)):
         if chunk >= s or chunk % tile_m == 0:
             return QueryState(dout, q, out, lse, _scale(softmax_scale, d), tile_m)
     return DqBuffer(q, lse)
