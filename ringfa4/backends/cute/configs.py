@@ -155,9 +155,9 @@ def query_tile(head_dim: int, deterministic: bool) -> int:
 def bwd_defaults(dtype: str, head_dim: int, tile_m: int, causal: bool, deterministic: bool,
                  dkv_fp32: bool, has_docs: bool = False) -> BwdSm90Config:
     """The backward kernel `backward` uses over query tiles of tile_m rows (query_tile(), or a
-    ring's query state's): with documents and
-    a free launch order (not deterministic), document by document, longest walk first
-    (bench/RESULTS.md, "The backward's launch order with documents")."""
+    ring's query state's): with documents and a free launch order (not deterministic),
+    document by document, longest walk first (bench/RESULTS.md, "The backward's launch order
+    with documents")."""
     return BwdSm90Config(dtype, head_dim, tile_m, causal, deterministic, dkv_fp32, has_docs,
                          doc_order=has_docs and not deterministic)
 
