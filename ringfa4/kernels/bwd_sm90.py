@@ -27,7 +27,9 @@ a thread side by side and threads interleaved, so that every 16-byte shared stor
 one conflict-free 512-byte line and the reduction into global memory is one linear bulk copy.
 (Row-major tiles, as a tensor TMA needs, cost 3-4x the shared-store wavefronts: the swizzle
 cannot separate the row pairs a wgmma accumulator writes together.) dq_layout.py holds that
-layout; bwd_postprocess.py puts dQ back in (b, s, h, d).
+layout; bwd_postprocess.py puts dQ back in (b, s, h, d). Query tiles of 80 rows (head_dim 128,
+deterministic mode: configs.query_tile) are no multiple of wgmma's 64 rows, so there each warp
+group computes its part transposed, dQ^T = K^T dS^T, and holds it in that order.
 
 Deterministic mode orders the dQ reductions: the reduction of KV block j into a dQ tile waits
 on a per-tile counter until the blocks before it in a fixed order have landed (ascending, or
@@ -55,7 +57,8 @@ document, the longest walk's first, every kv head of a document before the next.
 Per MMA thread (wgmma m64nNk16 accumulators, each warp group 64 rows of the K/V block):
   S^T, dP^T  ((2, 2, tile_m / 8), 1, 1) fp32      P^T, dS^T: the same shape in 16 bits
   dK, dV     ((2, 2, head_dim / 8), 1, 1) fp32    kept until the epilogue
-  dQ part    64 x 64 fp32 (dq_layout.py), handed to the dQ warp through shared memory
+  dQ part    64 x 64 fp32, 64 x 80 (dQ^T) with 80-row tiles (dq_layout.py), handed to the dQ
+             warp through shared memory
 """
 from types import SimpleNamespace
 from typing import Optional
