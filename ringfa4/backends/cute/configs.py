@@ -152,6 +152,13 @@ def query_tile(head_dim: int, deterministic: bool) -> int:
     return 128 if head_dim == 64 else (80 if deterministic else 64)
 
 
+def query_tiles(head_dim: int, deterministic: bool) -> tuple:
+    """The backward's tiles in this mode, preferred first: its own, then the default mode's,
+    for rings whose steps do not start on the mode's tiles (interface.query_state)."""
+    own, default = query_tile(head_dim, deterministic), query_tile(head_dim, False)
+    return (own,) if own == default else (own, default)
+
+
 def bwd_defaults(dtype: str, head_dim: int, tile_m: int, causal: bool, deterministic: bool,
                  dkv_fp32: bool, has_docs: bool = False) -> BwdSm90Config:
     """The backward kernel `backward` uses over query tiles of tile_m rows (query_tile(), or a
@@ -173,24 +180,16 @@ def fwd_variant(dtype: str, head_dim: int, causal: bool, **overrides) -> FwdSm90
 # ring's merge (two ranks sum in the input dtype, more in fp32: ringfa4.ring.attention._sum_dtype).
 _DTYPES = ("bf16", "fp16")
 _HEAD_DIMS = (64, 128)
-
-
-def _query_tiles(head_dim, deterministic):
-    """The backward's tiles in this mode: its own, and the default mode's for rings whose steps
-    do not start on its tiles."""
-    return sorted({query_tile(head_dim, deterministic), query_tile(head_dim, False)})
-
-
 VARIANTS = (
     [fwd_defaults(dt, d, c, docs, seqlen_k)
      for docs in (False, True) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)
      for seqlen_k in ((None, 1) if (d, c) in SHORT_KEYS else (None,))]
     + [BwdPreprocessConfig(dt, d) for dt in _DTYPES for d in _HEAD_DIMS]
     + [DqPostprocessConfig(dt, d, m, add)
-       for d in _HEAD_DIMS for m in _query_tiles(d, True)
+       for d in _HEAD_DIMS for m in query_tiles(d, True)
        for dt, add in (("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True), ("fp32", True))]
     + [bwd_defaults(dt, d, m, c, det, f32, docs)
        for docs in (False, True) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)
-       for det in (False, True) for m in _query_tiles(d, det) for f32 in (False, True)]
+       for det in (False, True) for m in query_tiles(d, det) for f32 in (False, True)]
     + [MergeConfig(out, part, d) for part in _DTYPES for out in (part, "fp32") for d in _HEAD_DIMS]
 )

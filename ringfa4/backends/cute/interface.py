@@ -15,7 +15,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ringfa4.backends import DqBuffer
-from ringfa4.backends.cute.configs import bwd_defaults, fwd_defaults, query_tile
+from ringfa4.backends.cute.configs import bwd_defaults, fwd_defaults, query_tile, query_tiles
 from ringfa4.backends.cute.launch import compiled, key_tile, num_sms
 from ringfa4.backends.cute.query_state import (QueryRows, QueryState, padded_rows, postprocess_dq,
                                                query_rows)
@@ -343,7 +343,7 @@ def query_state(dout, q, out, lse, softmax_scale, chunk, deterministic):
     chunks are no multiple of it (deterministic 80-row tiles against power-of-two chunks, or
     document rings' 128-row alignment); DqBuffer otherwise."""
     s, d = q.shape[1], q.shape[-1]
-    for tile_m in (query_tile(d, deterministic), query_tile(d, False)):
+    for tile_m in query_tiles(d, deterministic):
         if chunk >= s or chunk % tile_m == 0:
             return QueryState(dout, q, out, lse, _scale(softmax_scale, d), tile_m)
     return DqBuffer(q, lse)
