@@ -1,7 +1,7 @@
 """The CuTe kernels compile for Hopper on a machine without a GPU, and the cute backend names
 what it cannot run (ringfa4.api raises it; tests/test_bad_input.py).
 
-The 80 shipped attention variants (half of them with documents) take ~4 min to compile on 2
+The 120 shipped attention variants (half of them with documents) take ~5 min to compile on 2
 cores (the 14 backward pre- and postprocess variants a few seconds), so CI compiles a
 representative subset (SUBSET, ~1.5 min): every forward variant, with and without documents,
 and one backward variant per (head_dim, causal) in bf16 with and without documents, plus the
@@ -32,9 +32,11 @@ def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_shipped_variants(tmp_path):
     )
     assert run.returncode == 0, run.stdout + run.stderr
     chosen = [v for v in VARIANTS if re.search(SUBSET, v.name)]
-    # 2 dtypes x 2 head dims x causal or not, long and (d128 full, d64 causal) short tiles
-    assert sum(v.name.startswith("fwd_") for v in chosen) == 24
-    assert sum(v.name.startswith("fwd_") and v.name.endswith("_docs") for v in chosen) == 12
+    # 2 dtypes x 2 head dims x causal or not, long and (d128 both, d64 causal) short tiles, d64
+    # also packed GQA
+    assert sum(v.name.startswith("fwd_") for v in chosen) == 40
+    assert sum(v.name.startswith("fwd_") and v.name.endswith("_docs") for v in chosen) == 20
+    assert sum(v.name.startswith("fwd_") and "_gqa4" in v.name for v in chosen) == 12
     # d64 and d128 x causal or not, without and with documents; 2 deterministic (one 80-row)
     assert sum(v.name.startswith("bwd_") for v in chosen) == 10
     assert sum(v.name.startswith("bwd_") and "_docs" in v.name for v in chosen) == 5

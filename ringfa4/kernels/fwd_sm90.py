@@ -2,7 +2,10 @@
 
 A work tile is tile_m query rows of one (batch, head) against every key they see; a CTA runs
 one tile, or with `persistent` every grid-size-th tile on one resident CTA per SM
-(tile_scheduler.FwdTileScheduler). GQA/MQA read the kv head h // (heads / kv_heads) in place.
+(tile_scheduler.FwdTileScheduler). GQA/MQA read the kv head h // (heads / kv_heads) in place,
+or with pack_gqa a tile's rows are (position, query head) pairs of one kv head, the heads
+fastest (layout.pack_heads): Q, O and lse are viewed packed, the tile scheduler counts kv heads,
+and masks and key ranges take a row's position as its index // pack_gqa.
 
 Pipeline of a work tile (warpgroup 0 produces, warpgroups 1..num_wg consume, 64 rows each):
  1. Producer (one warp of warpgroup 0, most of its registers given to the consumers by
@@ -57,7 +60,8 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from ringfa4.kernels import wgmma
 from ringfa4.kernels.barriers import FwdBarrier
 from ringfa4.kernels.dtypes import CUTLASS_DTYPES
-from ringfa4.kernels.layout import acc_rows_view, rows_major, select_modes, seq_major, transpose
+from ringfa4.kernels.layout import (acc_rows_view, pack_heads, rows_major, select_modes, seq_major,
+                                    transpose)
 from ringfa4.kernels.mask import AttentionMask
 from ringfa4.kernels.ptx import convert_to
 from ringfa4.kernels.softmax import LOG2_E, OnlineSoftmax, scale_rows
@@ -79,7 +83,10 @@ class FwdSm90:
     def __init__(self, cfg):
         assert cfg.dtype in ("bf16", "fp16")
         assert cfg.head_dim in (64, 128) and cfg.tile_m % 64 == 0 and cfg.tile_n % 16 == 0
+        assert cfg.tile_m % cfg.pack_gqa == 0, "a tile holds whole positions of packed heads"
         self.cfg = cfg
+        self.pack = cfg.pack_gqa
+        self.tile_pos = cfg.tile_m // cfg.pack_gqa  # query positions per tile
         self.dtype = CUTLASS_DTYPES[cfg.dtype]
         self.d = cfg.head_dim
         self.tile_m, self.tile_n, self.stages = cfg.tile_m, cfg.tile_n, cfg.num_stages
@@ -91,7 +98,7 @@ class FwdSm90:
         self.mma_regs, self.producer_regs = {2: (240, 24), 3: (160, 32)}[self.num_wg]
         self.scheduler = FwdTileScheduler(self.tile_m, self.d * 2 * (self.dtype.width // 8), cfg.lpt)
         self.attention_mask = AttentionMask(self.tile_m, self.tile_n, cfg.causal, key_first=False,
-                                            has_docs=cfg.has_docs)
+                                            has_docs=cfg.has_docs, rows_per_query=self.pack)
         smem = 2 * self.d * (self.tile_m * (2 if cfg.persistent else 1)
                                 + 2 * self.stages * self.tile_n) + _SMEM_RESERVED
         if smem > _SMEM_MAX:
@@ -115,9 +122,13 @@ class FwdSm90:
         num_ctas: Int32,  # persistent grid size (the GPU's SM count); ignored otherwise
         stream,
     ):
-        # Kernel views: (seq, d, head, batch) and lse (seq, head, batch).
+        # Kernel views: (seq, d, head, batch) and lse (seq, head, batch); packed, the rows
+        # (seq) of Q, O and lse are ((pack, seq)) and their heads the kv heads.
         mQ, mK, mV, mO = [seq_major(t) for t in (mQ, mK, mV, mO)]
         mLSE = rows_major(mLSE)
+        if const_expr(self.pack > 1):
+            mQ, mO = (pack_heads(t, self.pack, 2) for t in (mQ, mO))
+            mLSE = pack_heads(mLSE, self.pack, 1)
         if const_expr(self.cfg.has_docs != (mKeyLo is not None and mKeyHi is not None)):
             raise TypeError("key_lo and key_hi are required exactly when has_docs")
         if const_expr(self.cfg.has_docs):
@@ -163,7 +174,7 @@ class FwdSm90:
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[dt, o_size], 1024]
 
-        num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
+        num_m_blocks = cute.ceil_div(cute.size(mQ, mode=[0]), self.tile_m)
         num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
         grid = cutlass.min(num_tiles, num_ctas) if const_expr(self.cfg.persistent) else num_tiles
         self.kernel(
@@ -183,7 +194,7 @@ class FwdSm90:
         """Key blocks this query block sees."""
         n = (seqlen_k + self.tile_n - 1) // self.tile_n
         if const_expr(self.cfg.causal):
-            n = cutlass.min(n, ((m_block + 1) * self.tile_m + self.tile_n - 1) // self.tile_n)
+            n = cutlass.min(n, ((m_block + 1) * self.tile_pos + self.tile_n - 1) // self.tile_n)
         return n
 
     @cute.jit
@@ -194,9 +205,10 @@ class FwdSm90:
         row). No mask only when every row lies in one document and the block lies inside that
         document (and, causal, below the diagonal); the last block n_hi - 1 is always masked
         (mainloop). A block whose rows see no key still runs one block, fully masked: its rows
-        come out with lse -inf and out 0 like any row that sees nothing."""
-        first = m_block * self.tile_m
-        last = cutlass.min(first + self.tile_m, seqlen_q) - 1
+        come out with lse -inf and out 0 like any row that sees nothing. ``seqlen_q``: query
+        positions (packed rows / pack)."""
+        first = m_block * self.tile_pos
+        last = cutlass.min(first + self.tile_pos, seqlen_q) - 1
         lo, hi = mKeyLo[first, batch], mKeyHi[last, batch]
         if const_expr(self.cfg.causal):
             hi = cutlass.min(hi, last + 1)
@@ -280,17 +292,18 @@ class FwdSm90:
         self, mQ, mK, mV, mKeyLo, mKeyHi, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
         pipe_q, pipe_k, pipe_v, num_tiles,
     ):
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        rows, seqlen_k = cute.size(mQ, mode=[0]), mK.shape[0]
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         tile = Int32(cute.arch.block_idx()[0])
         while tile < num_tiles:
-            m_block, head, batch = self.scheduler.coords(tile, seqlen_q, seqlen_k, mQ.shape[2], mQ.shape[3])
+            m_block, head, batch = self.scheduler.coords(tile, rows, seqlen_k, mQ.shape[2], mQ.shape[3])
             head_kv = head // (mQ.shape[2] // mK.shape[2])
             # Blocks n_lo .. n_lo + n_block_max - 1 (n_lo None: from 0).
             n_lo = None
             if const_expr(self.cfg.has_docs):
-                n_lo, n_hi, _, _ = self.doc_blocks(m_block, batch, seqlen_q, seqlen_k, mKeyLo, mKeyHi)
+                n_lo, n_hi, _, _ = self.doc_blocks(m_block, batch, rows // self.pack, seqlen_k,
+                                                   mKeyLo, mKeyHi)
                 n_block_max = n_hi - n_lo
             else:
                 n_block_max = self.n_blocks(m_block, seqlen_k)
@@ -355,7 +368,7 @@ class FwdSm90:
         self, mQ, mK, mO, mLSE, mKeyLo, mKeyHi, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
         pipe_q, pipe_k, pipe_v, scale_log2, num_tiles,
     ):
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        rows, seqlen_k = cute.size(mQ, mode=[0]), mK.shape[0]
         tidx = cute.arch.thread_idx()[0] - 128
         ops = self.consumer_operands(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tidx)
         ops.pipe_k, ops.pipe_v, ops.seqlen_k = pipe_k, pipe_v, seqlen_k
@@ -369,9 +382,9 @@ class FwdSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         tile = Int32(cute.arch.block_idx()[0])
         while tile < num_tiles:
-            m_block, head, batch = self.scheduler.coords(tile, seqlen_q, seqlen_k, mQ.shape[2], mQ.shape[3])
+            m_block, head, batch = self.scheduler.coords(tile, rows, seqlen_k, mQ.shape[2], mQ.shape[3])
             if const_expr(self.cfg.has_docs):
-                blocks = self.doc_blocks(m_block, batch, seqlen_q, seqlen_k, mKeyLo, mKeyHi)
+                blocks = self.doc_blocks(m_block, batch, rows // self.pack, seqlen_k, mKeyLo, mKeyHi)
             else:
                 blocks = self.n_blocks(m_block, seqlen_k)
             softmax = OnlineSoftmax(
@@ -394,7 +407,7 @@ class FwdSm90:
 
             self.epilogue(
                 acc_O, softmax, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, ops.thr_pv, tidx,
-                m_block, head, batch, seqlen_q,
+                m_block, head, batch, rows,
             )
             tile += cute.arch.grid_dim()[0]
 
@@ -455,7 +468,7 @@ class FwdSm90:
         else:
             n_unmasked = n_first
             if const_expr(self.cfg.causal):
-                n_unmasked = cutlass.min(n_first, (m_block * self.tile_m + 1) // self.tile_n)
+                n_unmasked = cutlass.min(n_first, (m_block * self.tile_pos + 1) // self.tile_n)
                 for i in cutlass.range(n_first - n_unmasked, unroll=1):
                     state = self.step(ops, softmax, state, m_block, batch, n_first - 1 - i,
                                       masked=True)
@@ -556,7 +569,7 @@ class FwdSm90:
     @cute.jit
     def epilogue(
         self, acc_O, softmax, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx,
-        m_block, head, batch, seqlen_q,
+        m_block, head, batch, rows,
     ):
         inv_sum = softmax.finalize()
         scale_rows(acc_O, inv_sum)
@@ -576,7 +589,7 @@ class FwdSm90:
         if cO[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(cO, mode=[0])):
                 row = m_block * self.tile_m + cO[r, 0][0]
-                if row < seqlen_q:
+                if row < rows:
                     mLSE[row, head, batch] = softmax.row_sum[r]
 
         cute.arch.fence_view_async_shared()

@@ -20,6 +20,17 @@ def rows_major(t: cute.Tensor) -> cute.Tensor:
     return select_modes(t, [2, 1, 0])
 
 
+def pack_heads(t: cute.Tensor, group: int, head_mode: int) -> cute.Tensor:
+    """(seq, ..., heads, ...) -> ((group, seq), ..., heads / group, ...): the ``group`` query
+    heads of each kv head become the fast part of the row mode (pack-GQA), so that a tile of
+    rows holds positions x heads of one kv head. Rows of one position are contiguous heads in
+    (b, s, h, d) storage: TMA moves such a tile as one box."""
+    shape, stride = list(t.shape), list(t.stride)
+    shape[0], stride[0] = (group, shape[0]), (stride[head_mode], stride[0])
+    shape[head_mode], stride[head_mode] = shape[head_mode] // group, stride[head_mode] * group
+    return cute.make_tensor(t.iterator, cute.make_layout(tuple(shape), stride=tuple(stride)))
+
+
 def transpose(t: cute.Tensor) -> cute.Tensor:
     """Swap the first two modes of a shared-memory tile (the MN-major view of a K-major tile)."""
     shape = (t.shape[1], t.shape[0], *t.shape[2:])

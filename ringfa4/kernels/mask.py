@@ -7,6 +7,9 @@ rows are queries, columns keys. A thread's columns are thread 0's shifted by one
 column is tested as thread 0's compile-time key against per-row limits computed at run time:
 one or two integer compares per score, no per-score coordinate arithmetic.
 
+A tile of packed GQA rows (the forward's pack-GQA) holds ``rows_per_query`` rows per query
+position, the query heads of one kv head: a row's position is its index // rows_per_query.
+
 Documents come as each query's visible keys, [key_lo[q], key_hi[q]): with document ids
 nondecreasing along both sequences, the keys of one document are contiguous, so the id test
 q_ids[q] == k_ids[k] is the range test key_lo[q] <= k < key_hi[q] (an empty range when the
@@ -20,11 +23,13 @@ from cutlass import Float32, const_expr
 class AttentionMask:
     """The mask of one kernel's (tile_m x tile_n) score tiles. ``key_first``: the kernel's
     coordinates are (key, query) pairs (a transposed product such as the backward's S^T), else
-    (query, key). ``has_docs``: apply takes each query's visible key range."""
+    (query, key). ``has_docs``: apply takes each query's visible key range. ``rows_per_query``:
+    tile rows per query position (pack-GQA)."""
 
     def __init__(self, tile_m: int, tile_n: int, causal: bool, key_first: bool,
-                 has_docs: bool = False):
+                 has_docs: bool = False, rows_per_query: int = 1):
         self.tile_m = tile_m
+        self.rows_per_query = rows_per_query
         self.tile_n = tile_n
         self.causal = causal
         self.has_docs = has_docs
@@ -42,6 +47,8 @@ class AttentionMask:
             limit = seqlen_k - key0
             if const_expr(self.causal or self.has_docs):
                 query = coords[r, 0][self.q_mode] + m_block * self.tile_m
+                if const_expr(self.rows_per_query > 1):
+                    query = query // self.rows_per_query
             if const_expr(self.causal):
                 limit = cutlass.min(limit, query + 1 - key0)
             if const_expr(self.has_docs):

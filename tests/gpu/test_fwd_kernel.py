@@ -144,6 +144,9 @@ FLAG_VARIANTS = [
     dict(tile_n=176),
     dict(tile_n=192),
     dict(persistent=False),
+    dict(pack_gqa=4),
+    dict(pack_gqa=4, intra_wg_overlap=False),
+    dict(pack_gqa=4, persistent=True, tile_n=128),
 ]
 
 
@@ -155,6 +158,31 @@ def test_technique_switches_keep_results_exact(flags, causal):
     out, lse = _poisoned(q)
     _check(q, k, v, causal, None, seed, out=out, lse=lse,
            config=fwd_variant("bf16", 128, causal, **flags))
+
+
+# (b, sq, sk, h, hk, d, causal): groups of 2 to 8 heads per kv head, 3 and 6 too (192-row tiles
+# hold 64 or 32 positions of them), ragged lengths and a query block shorter than one tile.
+PACKED_GQA_SHAPES = [
+    (2, 1000, 1000, 8, 2, 64, True),
+    (1, 4097, 4097, 16, 2, 128, True),
+    (2, 17, 1000, 12, 4, 64, False),
+    (1, 3000, 3000, 32, 4, 128, False),
+    (3, 333, 333, 6, 1, 64, True),
+    (2, 1000, 17, 4, 2, 128, False),
+]
+
+
+@pytest.mark.parametrize("shape", PACKED_GQA_SHAPES, ids=lambda s: "b{}_sq{}_sk{}_h{}_hk{}_d{}_{}".format(
+    *s[:6], "causal" if s[6] else "full"))
+def test_packed_gqa_tiles_match_fp64_reference(shape):
+    """Tiles whose rows are (position, query head) pairs of one kv head: the causal mask and
+    the lse rows follow each row's position and head."""
+    b, sq, sk, h, hk, d, causal = shape
+    seed = _fresh_seed()
+    q, k, v = _inputs(b, sq, sk, h, hk, d, torch.bfloat16, seed)
+    out, lse = _poisoned(q)
+    _check(q, k, v, causal, None, seed, out=out, lse=lse,
+           config=fwd_variant("bf16", d, causal, pack_gqa=h // hk))
 
 
 @pytest.mark.parametrize("d", [64, 128])

@@ -27,6 +27,10 @@ class FwdSm90Config:
     ex2_fma_per16: int = 0
     lpt: bool = False
     persistent: bool = False
+    # Pack-GQA (FA4's pack_gqa): the query heads of a kv head, this many, share each tile's rows
+    # (tile_m / pack_gqa positions x pack_gqa heads), so a K/V block loaded once serves all of
+    # them and short sequences make fewer, fuller tiles. 1: a tile is one head's rows.
+    pack_gqa: int = 1
     # Packed documents: the kernel takes each query's visible key range (from the document ids)
     # at run time, skips key blocks outside the query block's documents and masks the blocks on
     # a document boundary. One variant serves every boundary set.
@@ -40,7 +44,7 @@ class FwdSm90Config:
             f"rs{self.rescale_threshold:g}" if self.rescale_threshold is not None else "rsalways",
             f"ex{self.ex2_fma_per16}",
         ] + (["lpt"] if self.lpt else []) + (["persist"] if self.persistent else []) + (
-            ["docs"] if self.has_docs else [])
+            [f"gqa{self.pack_gqa}"] if self.pack_gqa > 1 else []) + (["docs"] if self.has_docs else [])
         return (
             f"fwd_sm90_{self.dtype}_d{self.head_dim}_{'causal' if self.causal else 'full'}"
             f"_{self.tile_m}x{self.tile_n}s{self.num_stages}_" + "_".join(flags)
@@ -113,32 +117,36 @@ class MergeConfig:
         return f"merge_{self.out_dtype}_{self.part_dtype}_d{self.head_dim}"
 
 
-# Key lengths up to which other tiles win (bench/RESULTS.md, "Short forward tiles"): at head
-# dim 128 without causal, persistent 128-key blocks (176-key blocks leave a ragged last block
-# and too few tiles to fill the GPU); at 64 with causal, 128-row tiles in launch order.
-SHORT_KEYS = {(128, False): 4096, (64, True): 1024}
+# Key lengths up to which persistent CTAs with 128-key blocks win (bench/RESULTS.md, "Short
+# forward tiles" and "Pack-GQA and persistent causal forward tiles"): with few key blocks per
+# tile, a CTA's Q load and first K wait are what a persistent producer hides behind the last
+# tile's softmax. Not causal at head dim 128 (176-key blocks leave a ragged last block and too
+# few tiles to fill the GPU), causal at both head dims.
+SHORT_KEYS = {(128, False): 4096, (64, True): 2048, (128, True): 4096}
 
 
 def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False,
-                 seqlen_k: Optional[int] = None) -> FwdSm90Config:
+                 seqlen_k: Optional[int] = None, heads_per_kv: int = 1) -> FwdSm90Config:
     """The configuration `forward` uses for these inputs, chosen from side-by-side runs on H100
     and H200 (bench/RESULTS.md, kernel section): three consumer warpgroups (192-row tiles) at
     head dim 64, persistent when not causal; 128-row tiles at 128, with 176-key blocks when not
-    causal (fewer, longer softmax/rescale steps) and LPT order when causal; up to SHORT_KEYS
-    keys (``seqlen_k``; None: longer), the short tiles above. With documents (``has_docs``) the
-    same tiles, so that one document gives the dense result bit for bit."""
-    short = seqlen_k is not None and seqlen_k <= SHORT_KEYS.get((head_dim, causal), 0)
+    causal (fewer, longer softmax/rescale steps); LPT order when causal. Up to SHORT_KEYS keys
+    (``seqlen_k``; None: longer), persistent with 128-key blocks. At head dim 64 with GQA
+    (``heads_per_kv`` query heads per kv head), the heads of a kv head share each tile's rows
+    where they divide it (pack_gqa: 1.01-1.16x; at head dim 128 0.98-1.03x, so not there). With
+    documents (``has_docs``) the same tiles, so that one document gives the dense result bit
+    for bit."""
     if head_dim <= 64:
-        if short:
-            return FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=128,
-                                 tile_n=128, has_docs=has_docs)
-        return FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=192,
-                             tile_n=128, lpt=causal, persistent=not causal, has_docs=has_docs)
-    if short:
-        return FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=128,
-                             tile_n=128, persistent=True, has_docs=has_docs)
-    return FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=128,
-                         tile_n=128 if causal else 176, lpt=causal, has_docs=has_docs)
+        cfg = FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=192,
+                            tile_n=128, lpt=causal, persistent=not causal, has_docs=has_docs)
+    else:
+        cfg = FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=128,
+                            tile_n=128 if causal else 176, lpt=causal, has_docs=has_docs)
+    if seqlen_k is not None and seqlen_k <= SHORT_KEYS.get((head_dim, causal), 0):
+        cfg = replace(cfg, tile_n=128, persistent=True)
+    if head_dim <= 64 and heads_per_kv > 1 and cfg.tile_m % heads_per_kv == 0:
+        cfg = replace(cfg, pack_gqa=heads_per_kv)
+    return cfg
 
 
 def query_tile(head_dim: int, deterministic: bool) -> int:
@@ -175,15 +183,17 @@ def fwd_variant(dtype: str, head_dim: int, causal: bool, **overrides) -> FwdSm90
 
 
 # The shipped variants (`python -m ringfa4.kernels --dump` compiles each): the forward's
-# defaults, long and short, without and with documents; the backward's preprocess, main kernel (every causal /
+# defaults, long and short, without and with documents, and at head dim 64 packed by 4 query heads
+# per kv head (Llama 3's GQA; other groups compile on first use); the backward's preprocess, main kernel (every causal /
 # deterministic / dK-dV mode and query tile, without and with documents) and dQ postprocess (dq fresh or given in the input dtype, or an fp32 dq to add into); and the
 # ring's merge (two ranks sum in the input dtype, more in fp32: ringfa4.ring.attention._sum_dtype).
 _DTYPES = ("bf16", "fp16")
 _HEAD_DIMS = (64, 128)
 VARIANTS = (
-    [fwd_defaults(dt, d, c, docs, seqlen_k)
+    [fwd_defaults(dt, d, c, docs, seqlen_k, heads_per_kv)
      for docs in (False, True) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)
-     for seqlen_k in ((None, 1) if (d, c) in SHORT_KEYS else (None,))]
+     for seqlen_k in ((None, 1) if (d, c) in SHORT_KEYS else (None,))
+     for heads_per_kv in ((1, 4) if d == 64 else (1,))]
     + [BwdPreprocessConfig(dt, d) for dt in _DTYPES for d in _HEAD_DIMS]
     + [DqPostprocessConfig(dt, d, m, add)
        for d in _HEAD_DIMS for m in query_tiles(d, True)

@@ -185,7 +185,7 @@ def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc
     ringfa4.backends.cute.configs.FwdSm90Config for these dtype/head_dim/causal/documents)
     replaces the default kernel configuration, for benchmarks and tests of the technique
     switches. ``doc_ids``: packed documents (ringfa4.backends), the has_docs variant."""
-    d = q.shape[-1]
+    d, heads_per_kv = q.shape[-1], q.shape[2] // k.shape[2]
     out, lse = _forward_outputs(q, out, lse)
     if out.numel() == 0:
         return out, lse
@@ -195,12 +195,14 @@ def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc
         return out, lse
     has_docs = doc_ids is not None
     if config is None:
-        config = fwd_defaults(DTYPE_NAMES[q.dtype], d, causal, has_docs, k.shape[1])
+        config = fwd_defaults(DTYPE_NAMES[q.dtype], d, causal, has_docs, k.shape[1], heads_per_kv)
     elif ((config.dtype, config.head_dim, config.causal, config.has_docs)
-          != (DTYPE_NAMES[q.dtype], d, causal, has_docs)):
+          != (DTYPE_NAMES[q.dtype], d, causal, has_docs) or config.pack_gqa not in (1, heads_per_kv)):
         raise ValueError(f"config {config.name} does not match dtype={q.dtype}, head_dim={d}, "
-                         f"causal={causal}, documents={has_docs}")
-    key_lo, key_hi = visible_keys(doc_ids, config.tile_m) if has_docs else (None, None)
+                         f"causal={causal}, documents={has_docs}, pack_gqa 1 or {heads_per_kv} "
+                         f"(query heads per kv head)")
+    key_lo, key_hi = (visible_keys(doc_ids, config.tile_m // config.pack_gqa) if has_docs
+                      else (None, None))
     compiled(config)(q.detach(), k.detach(), v.detach(), out.detach(), lse, key_lo, key_hi,
                      _scale(softmax_scale, d), _sms(q))
     return out, lse
