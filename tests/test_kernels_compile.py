@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import ringfa4.backends.cute as cute_backend
-from ringfa4.backends.cute.configs import VARIANTS, DqPostprocessConfig, MergeConfig, fwd_variant
+from ringfa4.backends.cute.configs import (VARIANTS, DqPostprocessConfig, MergeConfig, fwd_defaults,
+                                           fwd_variant)
 
 
 SUBSET = (r"^fwd_sm90_|^bwd_sm90_bf16_d(64_m128|128_m64)_(full|causal)_atomic_dkvstore(_docs_docorder)?$"
@@ -118,6 +119,24 @@ def test_forward_config_that_overflows_shared_memory_is_refused_by_name():
     cfg = fwd_variant("bf16", 128, False, tile_n=176, persistent=True)
     with pytest.raises(ValueError, match=f"{cfg.name} needs 246784 bytes of shared memory"):
         FwdSm90(cfg)
+
+
+def test_forward_packs_the_query_heads_of_a_kv_head_at_head_dim_64_where_they_divide_its_tile():
+    assert fwd_defaults("bf16", 64, True, heads_per_kv=4).pack_gqa == 4
+    assert fwd_defaults("bf16", 64, False, heads_per_kv=8).pack_gqa == 8
+    assert fwd_defaults("bf16", 64, True, heads_per_kv=5).pack_gqa == 1  # 192-row tiles
+    assert fwd_defaults("bf16", 64, True, heads_per_kv=1).pack_gqa == 1
+    assert fwd_defaults("bf16", 128, True, heads_per_kv=4).pack_gqa == 1
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_short_causal_forward_runs_persistent_ctas_only_with_many_tiles_per_sm(d):
+    tile_m = fwd_defaults("bf16", d, True).tile_m
+    many, few = 20 * tile_m, 19 * tile_m  # query rows per SM
+    assert fwd_defaults("bf16", d, True, seqlen_k=2048, rows_per_sm=many).persistent
+    assert not fwd_defaults("bf16", d, True, seqlen_k=2048, rows_per_sm=few).persistent
+    assert not fwd_defaults("bf16", d, True, seqlen_k=8192, rows_per_sm=many).persistent
+    assert fwd_defaults("bf16", d, False, seqlen_k=2048).persistent  # equal tiles share evenly
 
 
 def _document_ids(lengths):

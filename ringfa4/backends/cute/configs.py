@@ -4,6 +4,7 @@ A configuration holds every compile-time value of one kernel (the compile cache 
 it) and names it; ringfa4.backends.cute.compile turns it into a kernel. Plain data: importing
 this module needs no nvidia-cutlass-dsl.
 """
+import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -121,28 +122,35 @@ class MergeConfig:
 # forward tiles" and "Pack-GQA and persistent causal forward tiles"): with few key blocks per
 # tile, a CTA's Q load and first K wait are what a persistent producer hides behind the last
 # tile's softmax. Not causal at head dim 128 (176-key blocks leave a ragged last block and too
-# few tiles to fill the GPU), causal at both head dims.
+# few tiles to fill the GPU), causal at both head dims where each SM gets at least
+# PERSISTENT_CAUSAL_TILES tiles: persistent CTAs take every grid-size-th tile, and with fewer,
+# unequal causal tiles that static share ends unevenly (a ring step of one sequence: 0.89-0.96x
+# the launch-order LPT grid, whose CTAs start wherever an SM frees).
 SHORT_KEYS = {(128, False): 4096, (64, True): 2048, (128, True): 4096}
+PERSISTENT_CAUSAL_TILES = 20
 
 
 def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False,
-                 seqlen_k: Optional[int] = None, heads_per_kv: int = 1) -> FwdSm90Config:
+                 seqlen_k: Optional[int] = None, heads_per_kv: int = 1,
+                 rows_per_sm: float = 0.0) -> FwdSm90Config:
     """The configuration `forward` uses for these inputs, chosen from side-by-side runs on H100
     and H200 (bench/RESULTS.md, kernel section): three consumer warpgroups (192-row tiles) at
     head dim 64, persistent when not causal; 128-row tiles at 128, with 176-key blocks when not
     causal (fewer, longer softmax/rescale steps); LPT order when causal. Up to SHORT_KEYS keys
-    (``seqlen_k``; None: longer), persistent with 128-key blocks. At head dim 64 with GQA
-    (``heads_per_kv`` query heads per kv head), the heads of a kv head share each tile's rows
-    where they divide it (pack_gqa: 1.01-1.16x; at head dim 128 0.98-1.03x, so not there). With
-    documents (``has_docs``) the same tiles, so that one document gives the dense result bit
-    for bit."""
+    (``seqlen_k``; None: longer), persistent with 128-key blocks, causal only from
+    PERSISTENT_CAUSAL_TILES tiles per SM (``rows_per_sm``: query rows of every head and batch
+    row per SM). At head dim 64 with GQA (``heads_per_kv`` query heads per kv head), the heads
+    of a kv head share each tile's rows where they divide it (pack_gqa: 1.01-1.16x; at head dim
+    128 0.98-1.03x, so not there). With documents (``has_docs``) the same tiles, so that one
+    document gives the dense result bit for bit."""
     if head_dim <= 64:
         cfg = FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=192,
                             tile_n=128, lpt=causal, persistent=not causal, has_docs=has_docs)
     else:
         cfg = FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=128,
                             tile_n=128 if causal else 176, lpt=causal, has_docs=has_docs)
-    if seqlen_k is not None and seqlen_k <= SHORT_KEYS.get((head_dim, causal), 0):
+    short = seqlen_k is not None and seqlen_k <= SHORT_KEYS.get((head_dim, causal), 0)
+    if short and (not causal or rows_per_sm >= PERSISTENT_CAUSAL_TILES * cfg.tile_m):
         cfg = replace(cfg, tile_n=128, persistent=True)
     if head_dim <= 64 and heads_per_kv > 1 and cfg.tile_m % heads_per_kv == 0:
         cfg = replace(cfg, pack_gqa=heads_per_kv)
@@ -190,7 +198,7 @@ def fwd_variant(dtype: str, head_dim: int, causal: bool, **overrides) -> FwdSm90
 _DTYPES = ("bf16", "fp16")
 _HEAD_DIMS = (64, 128)
 VARIANTS = (
-    [fwd_defaults(dt, d, c, docs, seqlen_k, heads_per_kv)
+    [fwd_defaults(dt, d, c, docs, seqlen_k, heads_per_kv, rows_per_sm=math.inf)
      for docs in (False, True) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)
      for seqlen_k in ((None, 1) if (d, c) in SHORT_KEYS else (None,))
      for heads_per_kv in ((1, 4) if d == 64 else (1,))]

@@ -195,7 +195,8 @@ def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc
         return out, lse
     has_docs = doc_ids is not None
     if config is None:
-        config = fwd_defaults(DTYPE_NAMES[q.dtype], d, causal, has_docs, k.shape[1], heads_per_kv)
+        config = fwd_defaults(DTYPE_NAMES[q.dtype], d, causal, has_docs, k.shape[1], heads_per_kv,
+                              q.shape[0] * q.shape[1] * q.shape[2] / _sms(q))
     elif ((config.dtype, config.head_dim, config.causal, config.has_docs)
           != (DTYPE_NAMES[q.dtype], d, causal, has_docs) or config.pack_gqa not in (1, heads_per_kv)):
         raise ValueError(f"config {config.name} does not match dtype={q.dtype}, head_dim={d}, "
