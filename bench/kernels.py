@@ -46,6 +46,7 @@ from bench import measure  # noqa: E402
 from ringfa4 import backends, flops  # noqa: E402
 from ringfa4.backends.cute import compile as kc  # noqa: E402
 from ringfa4.backends.cute import configs  # noqa: E402
+from ringfa4.backends.cute.interface import forward_config  # noqa: E402
 
 HEADS = 16
 TOKENS = 32768
@@ -114,7 +115,7 @@ def kernel_table(args, meta, rows):
                 row = dict(
                     meta, direction="fwd", dtype="bf16", hdim=d, seq=seq, causal=causal,
                     ringfa4_tflops=tf["ours"], fa4_tflops=tf["fa4"], cudnn_tflops=tf["cudnn"],
-                    config=configs.fwd_defaults("bf16", d, causal).name,
+                    config=forward_config(q, k, causal).name,
                     candidate_tflops=tf.get("cand"), candidate_config=cand.name,
                     max_abs_diff_vs_fa4=diff,
                 )

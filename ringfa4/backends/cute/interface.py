@@ -179,6 +179,12 @@ def launch_order(doc_ids, causal, tile_m, kv_slots):
     return _once(doc_ids, ("order", causal, tile_m, kv_slots), compute)
 
 
+def forward_config(q, k, causal, has_docs=False):
+    """The forward's kernel configuration for these inputs (configs.fwd_defaults)."""
+    return fwd_defaults(DTYPE_NAMES[q.dtype], q.shape[-1], bool(causal), has_docs, k.shape[1],
+                        q.shape[2] // k.shape[2], q.shape[0] * q.shape[1] * q.shape[2] / _sms(q))
+
+
 def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc_ids=None):
     """(out, lse). ``out`` (like q) and ``lse`` (float32, (b, h, sq), contiguous last dim) may be
     given preallocated; they are then written and returned. ``config`` (a
@@ -195,8 +201,7 @@ def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc
         return out, lse
     has_docs = doc_ids is not None
     if config is None:
-        config = fwd_defaults(DTYPE_NAMES[q.dtype], d, causal, has_docs, k.shape[1], heads_per_kv,
-                              q.shape[0] * q.shape[1] * q.shape[2] / _sms(q))
+        config = forward_config(q, k, causal, has_docs)
     elif ((config.dtype, config.head_dim, config.causal, config.has_docs)
           != (DTYPE_NAMES[q.dtype], d, causal, has_docs) or config.pack_gqa not in (1, heads_per_kv)):
         raise ValueError(f"config {config.name} does not match dtype={q.dtype}, head_dim={d}, "
