@@ -198,17 +198,17 @@ class FwdSm90:
         return n
 
     @cute.jit
-    def doc_blocks(self, m_block, batch, seqlen_q, seqlen_k, mKeyLo, mKeyHi):
+    def doc_blocks(self, m_block, batch, rows, seqlen_k, mKeyLo, mKeyHi):
         """Key blocks of query block m_block with documents, (n_lo, n_hi, u_lo, u_hi): it sees
         blocks n_lo <= j < n_hi, and u_lo <= j < u_hi need no mask. Keys visible to any of its
         rows lie in [key_lo of its first row, key_hi of its last) (both nondecreasing in the
         row). No mask only when every row lies in one document and the block lies inside that
         document (and, causal, below the diagonal); the last block n_hi - 1 is always masked
         (mainloop). A block whose rows see no key still runs one block, fully masked: its rows
-        come out with lse -inf and out 0 like any row that sees nothing. ``seqlen_q``: query
-        positions (packed rows / pack)."""
+        come out with lse -inf and out 0 like any row that sees nothing. ``rows``: the query
+        rows, pack_gqa of them per position."""
         first = m_block * self.tile_pos
-        last = cutlass.min(first + self.tile_pos, seqlen_q) - 1
+        last = cutlass.min(first + self.tile_pos, rows // self.pack) - 1
         lo, hi = mKeyLo[first, batch], mKeyHi[last, batch]
         if const_expr(self.cfg.causal):
             hi = cutlass.min(hi, last + 1)
@@ -302,8 +302,7 @@ class FwdSm90:
             # Blocks n_lo .. n_lo + n_block_max - 1 (n_lo None: from 0).
             n_lo = None
             if const_expr(self.cfg.has_docs):
-                n_lo, n_hi, _, _ = self.doc_blocks(m_block, batch, rows // self.pack, seqlen_k,
-                                                   mKeyLo, mKeyHi)
+                n_lo, n_hi, _, _ = self.doc_blocks(m_block, batch, rows, seqlen_k, mKeyLo, mKeyHi)
                 n_block_max = n_hi - n_lo
             else:
                 n_block_max = self.n_blocks(m_block, seqlen_k)
@@ -384,7 +383,7 @@ class FwdSm90:
         while tile < num_tiles:
             m_block, head, batch = self.scheduler.coords(tile, rows, seqlen_k, mQ.shape[2], mQ.shape[3])
             if const_expr(self.cfg.has_docs):
-                blocks = self.doc_blocks(m_block, batch, rows // self.pack, seqlen_k, mKeyLo, mKeyHi)
+                blocks = self.doc_blocks(m_block, batch, rows, seqlen_k, mKeyLo, mKeyHi)
             else:
                 blocks = self.n_blocks(m_block, seqlen_k)
             softmax = OnlineSoftmax(
