@@ -296,6 +296,23 @@ def test_backward_splits_a_kv_heads_query_heads_only_where_kv_blocks_are_few():
     assert head_splits(1, 32768, 32768, 16, 16, 128, True, True, sms) == 1
 
 
+def test_causal_backward_launches_longest_walks_first_only_for_small_calls():
+    """launches_lpt (host side): up to LPT_MAX_Q_ELEMENTS query elements (a ring step of one
+    sequence up to 8k keys with 32 heads of 128); not beyond (16k keys, or a batch of four 4k
+    rows), not non-causal (equal walks), deterministic (its own order) or with documents
+    (theirs)."""
+    from ringfa4.backends.cute.interface import launches_lpt
+
+    assert launches_lpt(1, 8192, 32, 128, True, False, False)
+    assert launches_lpt(2, 4096, 32, 128, True, False, False)
+    assert launches_lpt(4, 4096, 32, 64, True, False, False)
+    assert not launches_lpt(1, 16384, 32, 128, True, False, False)
+    assert not launches_lpt(4, 4096, 32, 128, True, False, False)
+    assert not launches_lpt(1, 4096, 32, 128, False, False, False)
+    assert not launches_lpt(1, 4096, 32, 128, True, True, False)
+    assert not launches_lpt(1, 4096, 32, 128, True, False, True)
+
+
 def test_backward_gives_every_query_head_a_cta_in_non_causal_calls_with_documents():
     """Documents make the K/V blocks' walks uneven: a non-causal call (a ring's remote step)
     splits the whole group, whatever the CTA count; causal and deterministic calls keep the rule."""

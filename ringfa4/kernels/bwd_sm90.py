@@ -48,11 +48,15 @@ writes dK = dV = 0. A tile whose queries all lie in one document that holds the 
 (and, causal, below the diagonal) runs unmasked; the others are masked by each query's visible
 key range.
 
-Launch order with documents (doc_order, not deterministic): walks differ with the documents, and
-the kernel lasts until its last long walk ends. The grid's order (KV blocks, then kv heads) can
-reach the longest walks of its last kv heads at its end; an order by walk length alone starts
-the CTAs of many documents at once, whose Q/dO then miss L2. The host orders the CTAs document by
-document, the longest walk's first, every kv head of a document before the next.
+Launch order (not deterministic): the kernel lasts until its last long walk ends, and the grid's
+order (a batch row's KV blocks fastest, then its kv heads) reaches the longest causal walks of its
+last kv heads (block 0) at its end. With many CTAs that tail is short against the whole, and the
+grid's order keeps the concurrent CTAs on few kv heads, sharing L2. With few (a causal ring step
+of one sequence), ``lpt`` launches a batch row longest walk first: block 0 of every kv slot, then
+every block 1, ... With documents (doc_order) walks differ with the documents; an order by walk
+length alone starts the CTAs of many documents at once, whose Q/dO then miss L2, so the host
+orders the CTAs document by document, the longest walk's first, every kv head of a document
+before the next.
 
 Per MMA thread (wgmma m64nNk16 accumulators, each warp group 64 rows of the K/V block):
   S^T, dP^T  ((2, 2, tile_m / 8), 1, 1) fp32      P^T, dS^T: the same shape in 16 bits
@@ -218,7 +222,7 @@ class AttentionBackwardSm90:
                  mKeyLo: Optional[cute.Tensor], mKeyHi: Optional[cute.Tensor],
                  mQueryBlocks: Optional[cute.Tensor], mKeyBlocks: Optional[cute.Tensor],
                  mOrder: Optional[cute.Tensor], mSemKV: Optional[cute.Tensor],
-                 softmax_scale: Float32, head_splits: Int32, rotate: Int32, stream):
+                 softmax_scale: Float32, head_splits: Int32, rotate: Int32, lpt: Int32, stream):
         """q, dout (b, sq, h, d); k, v (b, sk, hk, d); lse2, delta (b, h, sq rounded up to
         tile_m) fp32, lse2 in log2 units with +inf on rows that see no key; dq_acc (b, h,
         sq tiles * tile_m * head_dim) fp32 in fragment order (dq_layout.py; added into); dk, dv
@@ -233,7 +237,9 @@ class AttentionBackwardSm90:
         CTAs per (K/V block, kv head), each taking an equal share of its query heads; more than
         1 needs Float32 dk/dv: the shares reduce-add into their kv head's.
         rotate: nonzero for rotated walks (deterministic, not causal; see the module docstring):
-        the caller's promise that the CTAs of one (kv head, batch) fit on the GPU at once."""
+        the caller's promise that the CTAs of one (kv head, batch) fit on the GPU at once.
+        lpt: nonzero to launch each batch row's CTAs longest walk first (causal, not
+        deterministic, without doc_order; see the module docstring)."""
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype
                       or mV.element_type != self.dtype or mdO.element_type != self.dtype):
             raise TypeError("q, k, v, dout must all have the kernel's dtype")
@@ -286,6 +292,7 @@ class AttentionBackwardSm90:
             tQ, tK, tV, tdO, tLSE, tDelta, mdQ, tdK, tdV, mSem,
             tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv,
             Float32(softmax_scale), Float32(softmax_scale * LOG2_E), Int32(head_splits), Int32(rotate),
+            Int32(lpt),
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout, self.sdS_layout,
             self.sdKV_layout, self.mma_sdp, self.mma_dkv, self.mma_dq, Storage,
             mKeyLo, mKeyHi, mQueryBlocks, mKeyBlocks, mOrder, mSemKV,
@@ -300,6 +307,7 @@ class AttentionBackwardSm90:
                tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_delta: cute.CopyAtom,
                tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom,
                softmax_scale: Float32, scale_log2: Float32, head_splits: Int32, rotate: Int32,
+               lpt: Int32,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sdKV_layout: cute.ComposedLayout,
@@ -318,6 +326,12 @@ class AttentionBackwardSm90:
             code = mOrder[batch, n_block]
             kv_slot = code // num_n_blocks
             n_block = code - kv_slot * num_n_blocks
+        elif const_expr(self.causal and not self.deterministic):
+            if lpt != 0:
+                kv_slots = cute.arch.grid_dim()[1]
+                i = kv_slot * num_n_blocks + n_block
+                n_block = i // kv_slots
+                kv_slot = i - n_block * kv_slots
         kv_head = kv_slot // head_splits
         if const_expr(self.causal and self.deterministic):
             # Shortest KV blocks first: with the reversed reduction order of _store_dq, the

@@ -124,6 +124,21 @@ def test_query_heads_split_over_ctas_when_kv_blocks_are_few(b, s, h, hk, d, caus
             assert torch.equal(a, c), f"{name} differs between two deterministic runs"
 
 
+@pytest.mark.parametrize("lpt", [False, True], ids=["grid_order", "longest_first"])
+def test_causal_launch_orders_give_the_same_gradients(monkeypatch, lpt):
+    """Both launch orders of the causal backward (interface.launches_lpt forced), with a batch of
+    two and the query heads split over CTAs, against fp64."""
+    b, s, h, hk, d = 2, 1000, 8, 2, 128
+    assert cute_backend.interface.head_splits(b, s, s, h, hk, d, True, False, 132) > 1
+    monkeypatch.setattr(cute_backend.interface, "launches_lpt", lambda *args: lpt)
+    q, k, v, dout = _inputs(b, s, s, h, hk, d, torch.bfloat16, seed=5)
+    out, lse, g64, glow = _references(q, k, v, dout, True, d ** -0.5)
+    _poison_allocator(q, k, v, q.float())
+    for name, got, r64, rlow in zip("dq dk dv".split(), cute_backend.backward(dout, q, k, v, out, lse, True, None),
+                                    g64, glow):
+        _assert_close(name, got, r64, rlow)
+
+
 def test_rows_with_no_visible_key_contribute_zero():
     """lse = -inf (and out = 0) rows, as the ring produces for a query chunk that sees none of
     a KV block, give zero dq and leave dk, dv as if their dout were zero."""

@@ -273,6 +273,22 @@ def rotates(seqlen_k, causal, deterministic, sms):
     return deterministic and not causal and -(-seqlen_k // key_tile()) <= sms // 2
 
 
+# The causal backward launches each batch row longest walk first (lpt) up to this many query
+# elements (b x sq x h x d; 64 MiB of bf16 q): measured on H100 (RESULTS 2026-11-26 night), 1.01-1.32x
+# the grid's order at every shape up to it (one or two rows of 1k-8k keys at hdim 128, four at
+# hdim 64), 0.92-0.99x at twice it (16k keys, or four rows of 4k at hdim 128), where the tail is
+# short against the whole and the longest-first CTAs, spread over every kv head, share less of L2.
+LPT_MAX_Q_ELEMENTS = 1 << 25
+
+
+def launches_lpt(batch, seqlen_q, heads, head_dim, causal, deterministic, has_docs):
+    """Whether the default causal backward launches each batch row longest walk first
+    (ringfa4.kernels.bwd_sm90), so that the last kv head's longest walk does not start late and
+    end alone. Deterministic mode keeps its own order (its waits rely on it), documents theirs."""
+    return (causal and not deterministic and not has_docs
+            and batch * seqlen_q * heads * head_dim <= LPT_MAX_Q_ELEMENTS)
+
+
 def _added(given, fresh):
     """fresh, or given += fresh (returned) when a buffer was given."""
     return fresh if given is None else given.add_(fresh)
@@ -332,7 +348,8 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         docs = (*visible_blocks(doc_ids, causal, tile_m), order)
     compiled(config)(q.detach(), k.detach(), v.detach(), dout, rows.lse2, rows.delta, rows.dq_acc,
                      dk_out, dv_out, sems[0], *docs, sems[1], scale, splits,
-                     int(rotates(sk, causal, deterministic, _sms(q))))
+                     int(rotates(sk, causal, deterministic, _sms(q))),
+                     int(launches_lpt(b, sq, h, d, causal, deterministic, doc_ids is not None)))
 
     if rows is not dq:  # dq <- (or +=) the accumulator; a dq it cannot address gets a fresh one added
         add = dq is not None and tma_compatible(dq)
