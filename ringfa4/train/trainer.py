@@ -44,11 +44,13 @@ def lr_at(step, train_cfg):
 
 
 def build_optimizer(model, train_cfg):
-    """AdamW; matrices decay, norm gains do not."""
+    """AdamW; matrices decay, norm gains do not. On GPUs the fused implementation (one kernel per
+    parameter group instead of a foreach kernel per operation, each rereading the fp32 state)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": train_cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=train_cfg.lr, betas=tuple(train_cfg.betas))
+    fused = all(p.is_cuda for p in params)
+    return torch.optim.AdamW(groups, lr=train_cfg.lr, betas=tuple(train_cfg.betas), fused=fused)
 
 
 @dataclass
