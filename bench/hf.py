@@ -319,7 +319,7 @@ def run_context_parallel(args, seq_lens):
         AttentionInterface.register(TORCH_CP, sdpa_repeated_kv)
         config = llama_config(args.smoke)
         model = sharded_model(config, mesh, device, args.activation_checkpointing)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=device.type == "cuda")
         timer = measure.Timer(device, rounds=args.rounds or (1 if args.smoke else 3), warmup=1, reduce="median",
                               group=dist.group.WORLD)
         dtype = "float32" if args.smoke else "float32 params, bfloat16 compute"

@@ -172,7 +172,8 @@ def train(args, device):
     mesh = build_mesh(device.type, world // cp, cp)
     ring = hf.register(mesh[CP].get_group(), layout=args.layout, backend=args.backend)
     model, config = build_model(args, ring, mesh, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0,
+                                  fused=device.type == "cuda")
     stream, ends = token_stream(args, config.vocab_size)
     sampler = data.StreamSampler(stream, args.seq_len, args.seed)
     local_batch = args.global_batch // (world // cp)
