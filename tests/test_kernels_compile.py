@@ -296,6 +296,20 @@ def test_backward_splits_a_kv_heads_query_heads_only_where_kv_blocks_are_few():
     assert head_splits(1, 32768, 32768, 16, 16, 128, True, True, sms) == 1
 
 
+def test_backward_splits_less_at_head_dim_64_where_longest_walks_launch_first():
+    """At head dim 64 a causal call that launches longest walks first (launches_lpt) splits only
+    while its longest CTA holds more than an SM's even share (not half of it); deterministic mode
+    keeps the half-share rule's decision."""
+    from ringfa4.backends.cute.interface import head_splits
+
+    sms = 132
+    assert head_splits(1, 2048, 2048, 32, 8, 64, True, False, sms) == 2
+    assert head_splits(1, 4096, 4096, 32, 8, 64, True, False, sms) == 1
+    assert head_splits(1, 8192, 8192, 32, 8, 64, True, False, sms) == 1
+    assert head_splits(1, 4096, 4096, 32, 8, 128, True, False, sms) == 2
+    assert head_splits(1, 4096, 4096, 32, 8, 64, True, True, sms) == 4
+
+
 def test_causal_backward_launches_longest_walks_first_only_for_small_calls():
     """launches_lpt (host side): up to LPT_MAX_Q_ELEMENTS query elements (a ring step of one
     sequence up to 8k keys with 32 heads of 128); not beyond (16k keys, or a batch of four 4k

@@ -228,7 +228,11 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
     near the start of the sequence is visited by every query tile of every head of the group).
     The group is halved while that is so: non-causal while half the SMs would still idle,
     causal while the longest CTA holds more than half an SM's even share. Shares sum dK/dV by
-    fp32 reduce-adds, whose order varies.
+    fp32 reduce-adds, whose order varies. Where the causal grid launches longest walks first
+    (launches_lpt) at head dim 64, the longest CTA may hold the whole even share: with 32/8 heads
+    at one sequence of 4k / 8k keys, 2 shares ran 0.87 / 0.92x of none, and at 2k 2 shares 1.07x
+    of 4 (H100; at head dim 128 the half-share rule still picked the fastest split but at 2k,
+    RESULTS 2026-11-26 night).
 
     Deterministic mode orders each dQ tile's reductions over the K/V blocks, and the shares'
     dK/dV reduce-adds by query head. Causal, a group of 4 heads per CTA ran at 0.69-0.73x of the
@@ -253,16 +257,25 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
     per_head = (n_blocks * m_blocks - tile_n / tile_m * n_blocks * (n_blocks - 1) / 2 if causal
                 else n_blocks * m_blocks)
     even_share = per_head * group * kv_heads * batch / sms
-    splits = 1
-    while splits * 2 <= group and group % (splits * 2) == 0:
-        if causal and m_blocks * group / splits <= even_share / 2:
-            break
-        if not causal and ctas * splits * 2 > sms:
-            break
-        splits *= 2
+
+    def halvings(longest_bound):
+        splits = 1
+        while splits * 2 <= group and group % (splits * 2) == 0:
+            if causal and m_blocks * group / splits <= longest_bound:
+                break
+            if not causal and ctas * splits * 2 > sms:
+                break
+            splits *= 2
+        return splits
+
+    splits = halvings(even_share / 2)
     if deterministic:
         return group if causal and (splits > 1 or seqlen_k >= DETERMINISTIC_SPLIT_KEYS[head_dim]) else 1
-    return group if has_docs and not causal else splits
+    if has_docs and not causal:
+        return group
+    if head_dim == 64 and launches_lpt(batch, seqlen_q, heads, head_dim, causal, deterministic, has_docs):
+        return halvings(even_share)
+    return splits
 
 
 def rotates(seqlen_k, causal, deterministic, sms):
