@@ -231,8 +231,8 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
     fp32 reduce-adds, whose order varies. Where the causal grid launches longest walks first
     (launches_lpt) at head dim 64, the longest CTA may hold the whole even share: with 32/8 heads
     at one sequence of 4k / 8k keys, 2 shares ran 0.86-0.87x / 0.92-0.94x of none (two runs),
-    and at 2k 2 shares 1.07x of 4 (H100; at head dim 128 the half-share rule still picked the fastest split but at 2k,
-    RESULTS 2026-11-26 night).
+    and at 2k 2 shares 1.07x of 4 (H100; at head dim 128 the half-share rule still picked the
+    fastest split but at 2k, RESULTS 2026-11-26 night).
 
     Deterministic mode orders each dQ tile's reductions over the K/V blocks, and the shares'
     dK/dV reduce-adds by query head. Causal, a group of 4 heads per CTA ran at 0.69-0.73x of the
