@@ -11,7 +11,7 @@ The model is transformers' LlamaForCausalLM built from a config of Llama 3.2 1B'
 weights, nothing downloaded): 16 layers, hidden 2048, 32 query / 8 kv heads of 64, ffn 8192,
 vocab 128256, tied embeddings; AdamW, activation checkpointing (--activation-checkpointing,
 ringfa4.hf.enable_checkpointing: "full" recomputes every layer, "selective" all but the attention,
-ours or SDPA's alike), one sequence per step. One model serves both contenders, which
+ours or SDPA's alike, "pointwise" only norms, RoPE and activations), one sequence per step. One model serves both contenders, which
 take turns (bench/measure.py Timer: 1 warm-up step each, then rounds, median kept).
 
 One GPU (python): bf16 parameters; only ``model.set_attn_implementation`` changes between
@@ -65,6 +65,7 @@ sys.path[0] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 from bench import measure  # noqa: E402
 from ringfa4 import hf  # noqa: E402
+from ringfa4.nn.model import ACTIVATION_CHECKPOINTING  # noqa: E402
 from ringfa4.nn.parallel import CP, build_mesh  # noqa: E402
 from ringfa4.train import launch, metrics  # noqa: E402
 
@@ -380,7 +381,7 @@ def main():
                         "default 32768,65536, 64,128 with --smoke")
     p.add_argument("--backend", default=None, help="ringfa4 backend (default cute, torch with --smoke)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds, median kept (default 3, 1 with --smoke)")
-    p.add_argument("--activation-checkpointing", choices=("selective", "full"), default="full",
+    p.add_argument("--activation-checkpointing", choices=ACTIVATION_CHECKPOINTING, default="full",
                    help="what backward recomputes, for both contenders (ringfa4.hf.enable_checkpointing)")
     args = p.parse_args()
     measure.check_output_args(p, args, args.smoke)

@@ -67,8 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5, help="steps of linear warmup, then constant")
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--activation-checkpointing", choices=ACTIVATION_CHECKPOINTING, default="none",
-                   help="what backward recomputes: none, selective (all but the attention, whose ring runs "
-                        "once) or full")
+                   help="what backward recomputes: none, pointwise (norms, RoPE and activations only), "
+                        "selective (all but the attention, whose ring runs once) or full")
     p.add_argument("--checkpoint-dir", help="write DCP checkpoints here (storage every rank sees)")
     p.add_argument("--checkpoint-interval", type=int, default=10)
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")

@@ -33,19 +33,17 @@ attention, and KV caches (generation).
 """
 import weakref
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 import ringfa4
 from ringfa4 import documents
 from ringfa4.nn import ModelArgs, ops
-from ringfa4.nn.model import ACTIVATION_CHECKPOINTING, save_attention_only
+from ringfa4.nn.model import ACTIVATION_CHECKPOINTING, CHECKPOINT_CONTEXT
 from ringfa4.nn.parallel import fully_shard_blocks
 from ringfa4.ring import documents as ring_documents
 from ringfa4.ring import layout as ring_layout
@@ -271,14 +269,13 @@ def enable_checkpointing(model, mode):
     ringfa4.nn.model.ACTIVATION_CHECKPOINTING: "full" recomputes each layer in backward, its
     attention (and a ring's transfers) included; "selective" recomputes all but the attention,
     whose outputs are kept (ours, or PyTorch SDPA's where the model runs transformers' "sdpa");
+    "pointwise" keeps the matmuls' outputs too, recomputing only norms, RoPE and activations;
     "none" keeps every activation."""
     if mode not in ACTIVATION_CHECKPOINTING:
         raise ValueError(f"activation_checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}; got {mode!r}")
     if mode == "none":
         return
-    kwargs = {"use_reentrant": False}
-    if mode == "selective":
-        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, save_attention_only)
+    kwargs = {"use_reentrant": False, "context_fn": CHECKPOINT_CONTEXT[mode]}
     if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x; the old one warns
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

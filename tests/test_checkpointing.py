@@ -1,7 +1,7 @@
 """Activation checkpointing modes give the same step, and selective never runs the ring twice.
 
-CP = 2 over gloo in fp64: the three modes must give the same loss and gradients, and counting the
-ring's forward and backward runs per step shows what each mode recomputes.
+CP = 2 over gloo in fp64: the four modes must give the same loss and gradients, and counting the
+ring's forward and backward runs and the matmuls backward runs shows what each mode recomputes.
 """
 import pytest
 import torch
@@ -11,10 +11,11 @@ from ringfa4.nn import ops
 from ringfa4.nn.parallel import CP
 from ringfa4.train import launch
 from ringfa4.train.trainer import loss_share
+from recompute import MatmulCount
 
 ARGS = ModelArgs(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=48, rope_theta=10000.0)
 SEQ_LEN, BATCH, SEED = 32, 2, 7
-MODES = ("none", "selective", "full")
+MODES = ("none", "pointwise", "selective", "full")
 
 
 class Counted:
@@ -53,8 +54,10 @@ def step_per_mode(rank, world, local_rank):
             tokens, labels, positions = shard_sequence(batch(), mesh[CP].get_group(), "zigzag")
             before = ops.ring_forward.calls, ops.ring_backward.calls
             share = loss_share(model, tokens, labels, positions, BATCH * SEQ_LEN)
-            share.backward()
-            runs = ops.ring_forward.calls - before[0], ops.ring_backward.calls - before[1], mlp_runs.calls
+            with MatmulCount() as backward_matmuls:
+                share.backward()
+            runs = (ops.ring_forward.calls - before[0], ops.ring_backward.calls - before[1], mlp_runs.calls,
+                    backward_matmuls.calls)
             loss = share.detach().clone()
             dist.all_reduce(loss)
             results[mode] = (loss.item(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}, runs)
@@ -63,15 +66,20 @@ def step_per_mode(rank, world, local_rank):
         dist.destroy_process_group()
 
 
-def test_none_selective_full_give_the_same_step_and_selective_runs_each_ring_once():
+def test_checkpointing_modes_give_the_same_step_and_recompute_what_they_say():
     results = launch.spawn(step_per_mode, 2)
     layers = ARGS.n_layers
-    # (forward rings, backward rings, MLP forwards) per step
-    assert results["none"][2] == (layers, layers, layers)
-    assert results["selective"][2] == (layers, layers, 2 * layers)  # attention outputs kept, the MLP recomputed
-    assert results["full"][2] == (2 * layers, layers, 2 * layers)  # full recomputation reruns every forward ring
+    # (forward rings, backward rings, MLP forwards, matmuls in backward) per step
+    backward = results["none"][2][3]
+    assert results["none"][2][:3] == (layers, layers, layers)
+    # pointwise reruns the blocks' Python, but each matmul's output is kept, so no matmul reruns
+    assert results["pointwise"][2] == (layers, layers, 2 * layers, backward)
+    # selective keeps the attention's outputs and recomputes the rest: q, k, v, the output projection
+    # and the MLP's two input projections (not its output projection, whose result backward never needs)
+    assert results["selective"][2] == (layers, layers, 2 * layers, backward + 6 * layers)
+    assert results["full"][2][:3] == (2 * layers, layers, 2 * layers)  # full reruns every forward ring
     ref_loss, ref_grads, _ = results["none"]
-    for mode in ("selective", "full"):
+    for mode in ("pointwise", "selective", "full"):
         loss, grads, _ = results[mode]
         assert abs(loss - ref_loss) <= 1e-12 * abs(ref_loss), (mode, loss, ref_loss)
         for name, ref in ref_grads.items():

@@ -2,10 +2,11 @@
 blocks, no breaks, the eager step's numbers.
 
 The attention is a custom operator (ringfa4.nn.ops), so dynamo neither traces into the ring nor
-breaks the graph at it, and selective checkpointing still keeps its outputs under compile; the
-compiled model runs deterministic, so the flag is seen to pass through the graph. One
-test only: compiling on the 2-core CI machine takes most of its time.
+breaks the graph at it, and selective checkpointing (both modes that use it) still keeps its
+outputs under compile; the compiled model runs deterministic, so the flag is seen to pass through
+the graph.
 """
+import pytest
 import torch
 
 from ringfa4.backends import torch_ref
@@ -19,7 +20,7 @@ ARGS = ModelArgs(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn
 SEQ_LEN, BATCH, SEED = 32, 2, 7
 
 
-def eager_and_compiled_step(rank, world, local_rank):
+def eager_and_compiled_step(mode, rank, world, local_rank):
     import torch.distributed as dist
     from torch._dynamo.utils import counters
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -42,7 +43,7 @@ def eager_and_compiled_step(rank, world, local_rank):
         results = {}
         for compile in (False, True):
             model = Transformer(ARGS, loss_chunk=16)  # two equal chunks of the 32 local tokens
-            parallelize(model, mesh, backend="torch", activation_checkpointing="selective", compile=compile,
+            parallelize(model, mesh, backend="torch", activation_checkpointing=mode, compile=compile,
                         deterministic=compile)
             model.init_weights(SEED)
             ring_runs.clear()
@@ -56,12 +57,13 @@ def eager_and_compiled_step(rank, world, local_rank):
         dist.destroy_process_group()
 
 
-def test_compiled_blocks_with_ring_attention_match_eager_in_one_graph_without_breaks():
-    results, graph_breaks, unique_graphs = launch.spawn(eager_and_compiled_step, 2)
+@pytest.mark.parametrize("mode", ["selective", "pointwise"])
+def test_compiled_blocks_with_ring_attention_match_eager_in_one_graph_without_breaks(mode):
+    results, graph_breaks, unique_graphs = launch.spawn(eager_and_compiled_step, 2, mode)
     assert graph_breaks == {}
     assert unique_graphs == 2  # one graph serves every block, one every loss chunk
     (eager_loss, eager_grads, eager_rings, eager_flags), (loss, grads, rings, flags) = results[False], results[True]
-    assert rings == eager_rings == ARGS.n_layers  # compiled with selective checkpointing, the ring still runs once
+    assert rings == eager_rings == ARGS.n_layers  # compiled with checkpointing, the ring still runs once
     assert (eager_flags, flags) == ({False}, {True})  # what each model's ring backward steps were given
     torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=0)
     for name, ref in eager_grads.items():

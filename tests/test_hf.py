@@ -17,6 +17,7 @@ from ringfa4 import hf  # noqa: E402
 from ringfa4.nn import build_mesh  # noqa: E402
 from ringfa4.nn.parallel import CP, DP_SHARD  # noqa: E402
 from ringfa4.train import launch  # noqa: E402
+from recompute import MatmulCount  # noqa: E402
 
 SEQ_LEN, BATCH, VOCAB, SEED = 24, 4, 64, 1234
 # Document lengths of packed rows. At cp = 2 zigzag cuts a row at 6, 12 and 18 (rank 0 holds
@@ -163,9 +164,10 @@ def test_one_rank_matches_transformers_sdpa(ring):
     assert abs(loss.item() - ref_loss) <= 1e-12 * ref_loss
 
 
-def test_selective_checkpointing_runs_each_attention_once_with_the_gradients_of_the_others(ring, monkeypatch):
+def test_checkpointing_modes_recompute_what_they_say_with_the_same_gradients(ring, monkeypatch):
     """enable_checkpointing: "selective" keeps each attention's outputs, so backward recomputes the
-    layers without calling the attention again ("full" calls it twice per layer); the three modes
+    layers without calling the attention again ("full" calls it twice per layer), and "pointwise"
+    keeps the matmuls' outputs too, so backward runs no matmul more than "none" does; the four modes
     give the same loss and gradients (fp64)."""
     from ringfa4.backends import torch_ref
 
@@ -174,21 +176,24 @@ def test_selective_checkpointing_runs_each_attention_once_with_the_gradients_of_
     input_ids, labels = make_batch()
     batch = ring.shard_batch(input_ids, labels)
     results = {}
-    for mode in ("none", "selective", "full"):
+    for mode in ("none", "pointwise", "selective", "full"):
         model = make_model(ring.name)
         hf.enable_checkpointing(model, mode)
         model.train()
         calls.clear()
         loss = hf.causal_lm_loss(model, batch, hf.global_token_count(batch))
-        loss.backward()
-        results[mode] = (len(calls), loss.item(), {n: p.grad for n, p in model.named_parameters()})
+        with MatmulCount() as backward_matmuls:
+            loss.backward()
+        results[mode] = (len(calls), backward_matmuls.calls, loss.item(), {n: p.grad for n, p in model.named_parameters()})
     layers = make_model(ring.name).config.num_hidden_layers
-    assert {mode: r[0] for mode, r in results.items()} == {"none": layers, "selective": layers, "full": 2 * layers}
-    for mode in ("selective", "full"):
-        assert results[mode][1] == results["none"][1], mode
-        for name, ref in results["none"][2].items():
-            assert torch.allclose(results[mode][2][name], ref, rtol=1e-12, atol=1e-14), (mode, name)
-    with pytest.raises(ValueError, match="activation_checkpointing must be one of none, selective, full"):
+    assert {mode: r[0] for mode, r in results.items()} == {"none": layers, "pointwise": layers, "selective": layers,
+                                                           "full": 2 * layers}
+    assert results["pointwise"][1] == results["none"][1] < results["selective"][1]
+    for mode in ("pointwise", "selective", "full"):
+        assert results[mode][2] == results["none"][2], mode
+        for name, ref in results["none"][3].items():
+            assert torch.allclose(results[mode][3][name], ref, rtol=1e-12, atol=1e-14), (mode, name)
+    with pytest.raises(ValueError, match="activation_checkpointing must be one of none, pointwise, selective, full"):
         hf.enable_checkpointing(make_model(ring.name), True)
 
 

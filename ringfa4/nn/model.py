@@ -120,7 +120,8 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
+# What backward recomputes, least first (see Block).
+ACTIVATION_CHECKPOINTING = ("none", "pointwise", "selective", "full")
 
 
 # What selective checkpointing keeps: our attention operators, and PyTorch's SDPA kernels, which an
@@ -132,11 +133,26 @@ SAVED_BY_SELECTIVE_CHECKPOINTING = ops.SAVED_BY_SELECTIVE_CHECKPOINTING + (
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
 )
+# What "pointwise" keeps besides: the matmuls' outputs (a linear layer is one of these ops below
+# autograd), so that backward recomputes only norms, RoPE and activations, which cost memory
+# bandwidth, not tensor-core time, at about half the memory of keeping everything.
+MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
 
 
-def save_attention_only(ctx, op, *args, **kwargs):
-    """Selective checkpointing's policy: keep the attention operators' outputs, recompute the rest."""
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_SELECTIVE_CHECKPOINTING else CheckpointPolicy.PREFER_RECOMPUTE
+def _policy(saved):
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+# torch.utils.checkpoint's context_fn per checkpointed mode: what each keeps. Built once, here, so
+# that a compiled block finds a constant.
+CHECKPOINT_CONTEXT = {
+    "pointwise": partial(create_selective_checkpoint_contexts,
+                         _policy(frozenset(SAVED_BY_SELECTIVE_CHECKPOINTING + MATMULS))),
+    "selective": partial(create_selective_checkpoint_contexts, _policy(frozenset(SAVED_BY_SELECTIVE_CHECKPOINTING))),
+    "full": noop_context_fn,
+}
 
 
 class Block(nn.Module):
@@ -148,6 +164,7 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
         # Set by parallelize (one of ACTIVATION_CHECKPOINTING): what backward recomputes.
         #   none       nothing, every activation is kept;
+        #   pointwise  norms, RoPE and activations: the attention's and the matmuls' outputs are kept;
         #   selective  everything but the attention, whose outputs (out, lse and the ring's last
         #              KV block) are kept: the ring, its transfers included, runs once per step;
         #   full       everything from the block input, the attention's ring included.
@@ -156,10 +173,8 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, cu_seqlens=None):
         if self.activation_checkpointing == "none" or not torch.is_grad_enabled():
             return self._forward(x, cos, sin, cu_seqlens)
-        context_fn = noop_context_fn
-        if self.activation_checkpointing == "selective":
-            context_fn = partial(create_selective_checkpoint_contexts, save_attention_only)
-        return checkpoint(self._forward, x, cos, sin, cu_seqlens, use_reentrant=False, context_fn=context_fn)
+        return checkpoint(self._forward, x, cos, sin, cu_seqlens, use_reentrant=False,
+                          context_fn=CHECKPOINT_CONTEXT[self.activation_checkpointing])
 
     def _forward(self, x, cos, sin, cu_seqlens):
         h = x + self.attention(self.attention_norm(x), cos, sin, cu_seqlens)

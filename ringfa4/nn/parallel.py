@@ -48,7 +48,8 @@ def parallelize(model, mesh, *, layout="zigzag", backend="auto", param_dtype=Non
     and backward; the sharded masters keep their own dtype. Gradients are reduced in fp32 under
     mixed precision, else in the parameters' dtype (fp64 stays fp64 for exact tests).
     ``activation_checkpointing`` is what each block recomputes in backward (see
-    ringfa4.nn.model.Block): "none", "selective" (all but the attention) or "full".
+    ringfa4.nn.model.Block): "none", "pointwise" (norms, RoPE and activations), "selective" (all
+    but the attention) or "full".
     ``compile`` puts each block, and the loss's per-chunk softmax, through torch.compile; the
     attention inside stays one operator. ``deterministic`` makes every attention backward give
     bit-identical gradients run to run (see ContextParallelAttention).

@@ -185,7 +185,8 @@ class TrainConfig:
     mixed_precision: str = "auto"
     """auto (bf16 params and compute on GPU, fp32 on CPU), bf16 or fp32"""
     activation_checkpointing: str = "none"
-    """what each block recomputes in backward: none, selective (all but the attention) or full
+    """what each block recomputes in backward: none, pointwise (norms, RoPE and activations; the
+    matmuls' and the attention's outputs are kept), selective (all but the attention) or full
     (see ringfa4.nn.model.Block)"""
     compile: bool = False
     """put each block through torch.compile (the attention stays one custom operator inside)"""
