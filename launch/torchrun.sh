@@ -2,7 +2,7 @@
 # One node, N GPUs (default: all of them). Hydra overrides pass through:
 #
 #   bash launch/torchrun.sh model=llama3-1b data=synthetic parallel.cp=8 train.seq_len=262144 \
-#        train.global_batch=1 train.activation_checkpointing=full
+#        train.global_batch=1 train.activation_checkpointing=selective
 #
 # or a run recipe of configs/recipe/ (found through Hydra's search path), overrides still apply:
 #
