@@ -39,7 +39,7 @@ def sampler(*overrides, seq_len=64, vocab_size=256):
     (["train.warmup_steps=20", "train.steps=10"], 2, r"train.warmup_steps must be in \[0, train.steps=10\]"),
     (["train.checkpoint_keep=-1"], 2, "train.checkpoint_keep must be >= 0"),
     (["train.device=tpu"], 2, "train.device must be one of auto, cuda, cpu"),
-    (["train.activation_checkpointing=true"], 2, "train.activation_checkpointing must be one of none, selective, full"),
+    (["train.activation_checkpointing=true"], 2, "train.activation_checkpointing must be one of none, pointwise, selective, full"),
     (["data.kind=parquet"], 2, "data.kind must be one of synthetic, text, tokens"),
 ])
 def test_bad_setting_is_named(overrides, world, message):
