@@ -11,8 +11,9 @@ The model is transformers' LlamaForCausalLM built from a config of Llama 3.2 1B'
 weights, nothing downloaded): 16 layers, hidden 2048, 32 query / 8 kv heads of 64, ffn 8192,
 vocab 128256, tied embeddings; AdamW, activation checkpointing (--activation-checkpointing,
 ringfa4.hf.enable_checkpointing: "full" recomputes every layer, "selective" all but the attention,
-ours or SDPA's alike, "pointwise" only norms, RoPE and activations), one sequence per step. One model serves both contenders, which
-take turns (bench/measure.py Timer: 1 warm-up step each, then rounds, median kept).
+ours or SDPA's alike, "pointwise" only norms, RoPE and activations), one sequence per step. One
+model serves both contenders, which take turns (bench/measure.py Timer: 1 warm-up step each, then
+rounds, median kept).
 
 One GPU (python): bf16 parameters; only ``model.set_attn_implementation`` changes between
   ringfa4  ringfa4.hf.register(): ringfa4.attention on the one GPU (backend cute: our CuTe kernels)

@@ -184,7 +184,8 @@ def test_checkpointing_modes_recompute_what_they_say_with_the_same_gradients(rin
         loss = hf.causal_lm_loss(model, batch, hf.global_token_count(batch))
         with MatmulCount() as backward_matmuls:
             loss.backward()
-        results[mode] = (len(calls), backward_matmuls.calls, loss.item(), {n: p.grad for n, p in model.named_parameters()})
+        results[mode] = (len(calls), backward_matmuls.calls, loss.item(),
+                         {n: p.grad for n, p in model.named_parameters()})
     layers = make_model(ring.name).config.num_hidden_layers
     assert {mode: r[0] for mode, r in results.items()} == {"none": layers, "pointwise": layers, "selective": layers,
                                                            "full": 2 * layers}
