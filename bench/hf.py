@@ -107,6 +107,11 @@ def use_attention(model, impl):
                            f"when set to {impl!r}")
 
 
+def adamw(model, device):
+    """Both sides' optimizer: fused AdamW on GPUs (the trainer's choice, ringfa4.train.trainer)."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
 def train_step(loss_fn, optimizer):
     loss_fn(backward=True)
     optimizer.step()
@@ -224,7 +229,7 @@ def run_one_gpu(args, seq_lens):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     hf.enable_checkpointing(model, args.activation_checkpointing)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=device.type == "cuda")
+    optimizer = adamw(model, device)
     timer = measure.Timer(device, rounds=args.rounds or (1 if args.smoke else 3), warmup=1, reduce="median")
     meta = measure.metadata(device, args.commit, dtype=str(dtype).removeprefix("torch."),
                             model="tiny" if args.smoke else "Llama 3.2 1B shape",
@@ -321,7 +326,7 @@ def run_context_parallel(args, seq_lens):
         AttentionInterface.register(TORCH_CP, sdpa_repeated_kv)
         config = llama_config(args.smoke)
         model = sharded_model(config, mesh, device, args.activation_checkpointing)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=device.type == "cuda")
+        optimizer = adamw(model, device)
         timer = measure.Timer(device, rounds=args.rounds or (1 if args.smoke else 3), warmup=1, reduce="median",
                               group=dist.group.WORLD)
         dtype = "float32" if args.smoke else "float32 params, bfloat16 compute"

@@ -6,7 +6,6 @@ once when it chooses the backend, so forward and backward do not check them agai
 them once per step). What they do check is what only direct callers pass: preallocated outputs,
 a forward configuration, a QueryRows of another scale.
 """
-import importlib.util
 import math
 import weakref
 from dataclasses import replace
@@ -16,7 +15,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ringfa4.backends import DqBuffer
 from ringfa4.backends.cute.configs import bwd_defaults, fwd_defaults, query_tile, query_tiles
-from ringfa4.backends.cute.launch import compiled, key_tile, num_sms
+from ringfa4.backends.cute.launch import capability, compiled, device_index, dsl_installed, key_tile, num_sms
 from ringfa4.backends.cute.query_state import (QueryRows, QueryState, padded_rows, postprocess_dq,
                                                query_rows)
 from ringfa4.backends.cute.tensors import (DTYPE_NAMES, INPUT_DTYPES, layout_reason, tma_compatible,
@@ -28,7 +27,7 @@ HEAD_DIMS = (64, 128)
 def unsupported_reason(q, k, v, causal, grad, doc_ids=None):
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return f"cute kernels run on CUDA tensors only, got devices {q.device}, {k.device}, {v.device}"
-    major, minor = torch.cuda.get_device_capability(q.device)
+    major, minor = capability(device_index(q))
     if (major, minor) != (9, 0):
         return f"cute kernels are built for Hopper (sm_90), this GPU is sm_{major}{minor}"
     if q.dtype not in INPUT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -44,7 +43,7 @@ def unsupported_reason(q, k, v, causal, grad, doc_ids=None):
         reason = layout_reason(name, t)
         if reason:
             return reason
-    if importlib.util.find_spec("cutlass") is None:
+    if not dsl_installed():
         return "nvidia-cutlass-dsl is not installed"
     return None
 
@@ -55,7 +54,7 @@ def _scale(softmax_scale, head_dim):
 
 def _sms(t):
     """SMs of the GPU holding ``t``."""
-    return num_sms(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return num_sms(device_index(t))
 
 
 def _check_given(name, t, shape, dtype, device):

@@ -3,6 +3,7 @@ arch (sm_90a) and the compiler imports nvidia-cutlass-dsl; both happen on the fi
 cute backend, which has checked for a Hopper GPU, never when a backend is merely chosen, so
 another backend on another GPU (upstream FA4 on Blackwell) keeps the DSL's own arch."""
 import functools
+import importlib.util
 
 import torch
 
@@ -24,3 +25,19 @@ def key_tile():
 @functools.cache
 def num_sms(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_index(t):
+    """Index of the GPU holding ``t``."""
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+# Asked on every call (a ring asks once per step): cached, as neither changes while a process runs.
+@functools.cache
+def capability(device_index):
+    return torch.cuda.get_device_capability(device_index)
+
+
+@functools.cache
+def dsl_installed():
+    return importlib.util.find_spec("cutlass") is not None

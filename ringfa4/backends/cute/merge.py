@@ -1,24 +1,15 @@
 """Launch of the ring's merge kernel (ringfa4.kernels.merge) for ringfa4.ring.merge."""
-import functools
-import importlib.util
-
 import torch
 
 from ringfa4.backends.cute.configs import MergeConfig
-from ringfa4.backends.cute.launch import compiled
+from ringfa4.backends.cute.launch import capability, compiled, device_index, dsl_installed
 from ringfa4.backends.cute.tensors import DTYPE_NAMES, rows_ready, tma_compatible, tma_ready
-
-
-@functools.cache
-def _hopper_with_dsl(device_index):
-    return (torch.cuda.get_device_capability(device_index) == (9, 0)
-            and importlib.util.find_spec("cutlass") is not None)
 
 
 def merge_runs(out, lse, out_part):
     """Whether the kernel can merge into (out, lse): a Hopper GPU, kernel dtypes, fp32 lse with
     contiguous rows, and 16-byte aligned rows of out (the kernel's accesses)."""
-    return (out.is_cuda and _hopper_with_dsl(out.device.index)
+    return (out.is_cuda and capability(device_index(out)) == (9, 0) and dsl_installed()
             and out.dtype in DTYPE_NAMES and out_part.dtype in DTYPE_NAMES
             and lse.dtype == torch.float32 and out.shape[-1] % 8 == 0
             and tma_compatible(out) and lse.stride(-1) == 1)

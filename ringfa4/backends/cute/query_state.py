@@ -32,9 +32,8 @@ def query_rows(dout, out, lse, softmax_scale, tile_m):
     b, s, h, d = out.shape
     padded = padded_rows(s, tile_m)
     dev = out.device
-    rows = QueryRows(tile_m, torch.zeros((b, h, padded * d), dtype=torch.float32, device=dev),
-                     torch.empty((b, h, padded), dtype=torch.float32, device=dev),
-                     torch.empty((b, h, padded), dtype=torch.float32, device=dev),
+    lse2, delta = torch.empty((2, b, h, padded), dtype=torch.float32, device=dev)  # one allocation
+    rows = QueryRows(tile_m, torch.zeros((b, h, padded * d), dtype=torch.float32, device=dev), lse2, delta,
                      float(softmax_scale))
     compiled(BwdPreprocessConfig(DTYPE_NAMES[out.dtype], d))(
         tma_ready(out), tma_ready(dout), rows_ready(lse.detach()), rows.lse2, rows.delta,
