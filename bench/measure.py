@@ -34,7 +34,9 @@ class Timer:
 
     Warm-up: ``warmup`` calls of each fn in turn, so that the allocator's cache holds what each fn
     needs after the others ran. Then ``rounds`` rounds; in each, every fn in turn makes ``iters``
-    back-to-back calls between two CUDA events (perf_counter on CPU). Each fn's rounds reduce to
+    back-to-back calls between two CUDA events (perf_counter on CPU), the order rotated by one
+    place per round: a fn timed first in every round read up to 8% off the same fn timed third
+    (bench/RESULTS.md, 2026-11-26 night II), so no fn keeps a place. Each fn's rounds reduce to
     their "min" (best) or "median": a drift of the clocks over a row (power, heat) reaches every
     contender alike instead of whichever ran during it. With ``turn_ms``, a fn makes as many calls
     per turn as fill that time by its last warm-up call (at least ``iters``), so short kernels are
@@ -67,7 +69,10 @@ class Timer:
         self.calls = [self.iters if self.turn_ms is None else max(self.iters, math.ceil(self.turn_ms / max(ms, 1e-3)))
                       for ms in last]
         self.mallocs = [0] * len(fns)
-        ms = [[self._turn(fn, n, i) for i, (fn, n) in enumerate(zip(fns, self.calls))] for _ in range(self.rounds)]
+        ms = [[math.nan] * len(fns) for _ in range(self.rounds)]
+        for r in range(self.rounds):
+            for i in [(r + j) % len(fns) for j in range(len(fns))]:
+                ms[r][i] = self._turn(fns[i], self.calls[i], i)
         if self.group is not None:
             worst = torch.tensor(ms, dtype=torch.float64, device=self.device)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.group)

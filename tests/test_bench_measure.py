@@ -38,7 +38,7 @@ def test_bad_flop_arguments_are_named(kwargs, message):
         flops.attention(**args)
 
 
-def test_timer_takes_turns_and_makes_the_asked_calls():
+def test_timer_takes_turns_in_a_rotating_order_and_makes_the_asked_calls():
     calls = []
 
     def fn(name, seconds):
@@ -49,8 +49,10 @@ def test_timer_takes_turns_and_makes_the_asked_calls():
 
     timer = measure.Timer("cpu", rounds=3, warmup=1, iters=2, reduce="min")
     short, long = timer(fn("short", 0.001), fn("long", 0.02))
-    # warm-up: one call each in turn; then per round two calls of one, then two of the other
-    assert calls == ["short", "long"] + ["short", "short", "long", "long"] * 3
+    # warm-up: one call each in turn; then per round two calls of one, then two of the other,
+    # the round's first turn moving one place each round
+    assert calls == ["short", "long"] + ["short", "short", "long", "long"] + ["long", "long", "short", "short"] + [
+        "short", "short", "long", "long"]
     assert 1 <= short < 10 < 20 <= long < 60
 
 
