@@ -108,13 +108,13 @@ class _Attention(torch.autograd.Function):
         ctx.backend, ctx.causal, ctx.softmax_scale, ctx.doc_ids = backend, causal, softmax_scale, doc_ids
         ctx.deterministic = deterministic
         ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)  # lse's gradient is never read: no zeros to fill for it
+        # No zeros for lse's gradient, never read; out, the one differentiable output, is what
+        # brings this node into a backward, so dout is never None.
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        if dout is None:  # out is not used by what is differentiated
-            return (None,) * 8
         q, k, v, out, lse = ctx.saved_tensors
         grads = ctx.backend.backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
                                      deterministic=ctx.deterministic, **documents.call_kwargs(ctx.doc_ids))

@@ -81,12 +81,12 @@ def _attention_setup(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, *output)
     ctx.args = (causal, softmax_scale, backend, deterministic, cu_seqlens)
     ctx.mark_non_differentiable(output[1])
-    ctx.set_materialize_grads(False)  # no zeros for the gradients of outputs that have none
+    # No zeros for the gradients of the outputs that have none; out, the one differentiable
+    # output, is what brings the operator into a backward, so dout is never None.
+    ctx.set_materialize_grads(False)
 
 
 def _attention_grad(ctx, dout, _dlse):
-    if dout is None:  # out is not used by what is differentiated
-        return (None,) * 8
     return attention_backward(dout, *ctx.saved_tensors, *ctx.args) + (None,) * 5
 
 
@@ -142,12 +142,10 @@ def _ring_setup(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, *output)
     ctx.args = (causal, softmax_scale, group_name, layout, backend, deterministic, cu_seqlens)
     ctx.mark_non_differentiable(*output[1:])
-    ctx.set_materialize_grads(False)  # no zeros for lse's and the last KV block's gradients
+    ctx.set_materialize_grads(False)  # as _attention_setup: no zeros for lse and the last KV block
 
 
 def _ring_grad(ctx, dout, _dlse, _dk_last, _dv_last):
-    if dout is None:
-        return (None,) * 10
     return ring_attention_backward(dout, *ctx.saved_tensors, *ctx.args) + (None,) * 7
 
 
@@ -233,12 +231,10 @@ def _heads_ring_setup(ctx, inputs, output):
     ctx.args = (causal, softmax_scale, group_name, head_group_name, layout, backend, deterministic, k.shape[2],
                 cu_seqlens)
     ctx.mark_non_differentiable(*output[1:])
-    ctx.set_materialize_grads(False)  # no zeros for the gradients of the seven saved outputs
+    ctx.set_materialize_grads(False)  # as _attention_setup: no zeros for the seven saved outputs
 
 
 def _heads_ring_grad(ctx, dout, *_saved):
-    if dout is None:
-        return (None,) * 11
     return heads_ring_attention_backward(dout, *ctx.saved_tensors, *ctx.args) + (None,) * 8
 
 

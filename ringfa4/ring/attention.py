@@ -169,13 +169,11 @@ class RingAttention(torch.autograd.Function):
         ctx.args = (causal, softmax_scale, ring.turned(), layout, deterministic, docs)
         ctx.backend = backend
         ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)  # lse's gradient is never read: no zeros to fill for it
+        ctx.set_materialize_grads(False)  # as ringfa4.api._Attention: dout is never None
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        if dout is None:  # out is not used by what is differentiated
-            return (None,) * 10
         q, k, v, out, lse, k_last, v_last = ctx.saved_tensors
         grads = ring_backward(ctx.backend, dout, q, k, v, out, lse, [k_last, v_last], *ctx.args)
         return grads + (None,) * 7
