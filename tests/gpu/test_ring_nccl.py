@@ -1,4 +1,4 @@
-"""The ring over NCCL on 2 GPUs matches one GPU's attention (out, lse, dq, dk, dv) in bf16.
+"""The ring over NCCL on 2 (or 4) GPUs matches one GPU's attention (out, lse, dq, dk, dv) in bf16.
 
 Run on the device machine (kind nvidia-h200-x2):
     torchrun --nproc_per_node=2 -m pytest -m gpu -q tests/gpu/test_ring_nccl.py
@@ -158,6 +158,23 @@ def test_two_gpu_head_group_matches_one_gpu_attention(world, shape, layout, caus
     failures = _ring_failures(*inputs, ref, single, dict(causal=causal, layout=layout, backend="cute"),
                               group=alone[dist.get_rank()], head_group=dist.group.WORLD)
     assert not failures, f"U=2 {layout} causal={causal} {shape}: " + "; ".join(failures)
+
+
+@pytest.mark.parametrize("shape", HEAD_SHAPES, ids=[f"h{s[2]}-hk{s[3]}" for s in HEAD_SHAPES])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_four_gpu_heads_by_ring_matches_one_gpu_attention(world, shape, layout, causal):
+    """(U, R) = (2, 2), laid out as ringfa4.nn.parallel.build_mesh does: head groups of
+    consecutive ranks {0, 1}, {2, 3}, rings across them {0, 2}, {1, 3}."""
+    if world != 4:
+        pytest.skip(f"needs 4 GPUs (a 2 x 2 grid), the world has {world}")
+    rank = dist.get_rank()
+    heads = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    rings = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    inputs, ref, single = _references(shape, causal, "cute")
+    failures = _ring_failures(*inputs, ref, single, dict(causal=causal, layout=layout, backend="cute"),
+                              group=rings[rank % 2], head_group=heads[rank // 2])
+    assert not failures, f"U=2 x R=2 {layout} causal={causal} {shape}: " + "; ".join(failures)
 
 
 def _deterministic_ring(path, causal):
