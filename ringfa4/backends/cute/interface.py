@@ -339,10 +339,12 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     # fp32 dk/dv the kernel can address are added into by the kernel; else it writes new ones,
     # or, with split heads, sums them into zeroed fp32 ones (deterministic: in a fixed order).
     given_fp32 = all(t is not None and t.dtype == torch.float32 and tma_compatible(t) for t in (dk, dv))
+    sums = None  # the split shares' fp32 dK and dV, one allocation: one fill, one cast back
     if given_fp32:
         dk_out, dv_out = dk, dv
     elif splits > 1:
-        dk_out, dv_out = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+        sums = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+        dk_out, dv_out = sums.unbind(0)
     else:
         dk_out, dv_out = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
     sems = (None, None)
@@ -369,8 +371,9 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         postprocess_dq(rows, dq_out, add)
         dq = dq_out if add else _added(dq, dq_out)
     if dk_out is not dk:
-        dk, dv = (_added(given, fresh if given is not None else fresh.to(t.dtype))
-                  for given, fresh, t in ((dk, dk_out, k), (dv, dv_out, v)))
+        fresh = sums.to(k.dtype).unbind(0) if sums is not None and dk is None and dv is None else (dk_out, dv_out)
+        dk, dv = (_added(given, f if given is not None else f.to(t.dtype))
+                  for given, f, t in ((dk, fresh[0], k), (dv, fresh[1], v)))
     return dq, dk, dv
 
 
