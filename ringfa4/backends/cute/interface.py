@@ -371,9 +371,11 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         postprocess_dq(rows, dq_out, add)
         dq = dq_out if add else _added(dq, dq_out)
     if dk_out is not dk:
-        fresh = sums.to(k.dtype).unbind(0) if sums is not None and dk is None and dv is None else (dk_out, dv_out)
-        dk, dv = (_added(given, f if given is not None else f.to(t.dtype))
-                  for given, f, t in ((dk, fresh[0], k), (dv, fresh[1], v)))
+        if sums is not None and dk is None and dv is None:
+            dk, dv = sums.to(k.dtype).unbind(0)
+        else:
+            dk, dv = (_added(given, fresh if given is not None else fresh.to(t.dtype))
+                      for given, fresh, t in ((dk, dk_out, k), (dv, dv_out, v)))
     return dq, dk, dv
 
 
