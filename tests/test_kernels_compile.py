@@ -272,7 +272,7 @@ def test_queries_that_see_nothing_do_not_widen_their_tiles_key_range(tile_m):
 def test_backward_splits_a_kv_heads_query_heads_only_where_kv_blocks_are_few():
     """head_splits (host side): a ring step's 4k causal square with 32/8 heads leaves the longest
     CTAs with a whole SM's share and splits; a 32k sequence, a batch of short sequences and MHA
-    do not; a split always divides the group; deterministic mode takes one head per CTA for causal
+    do not; causal sequences from 64k keys at head dim 128 take one query head per CTA; a split always divides the group; deterministic mode takes one head per CTA for causal
     attention from 2k keys (hdim 128; 16k with hdim 64) or where the default splits, and none
     otherwise."""
     from ringfa4.backends.cute.interface import head_splits
@@ -281,6 +281,9 @@ def test_backward_splits_a_kv_heads_query_heads_only_where_kv_blocks_are_few():
     assert head_splits(1, 4096, 4096, 32, 8, 128, True, False, sms) == 2
     assert head_splits(1, 2048, 2048, 32, 8, 128, True, False, sms) == 4
     assert head_splits(1, 32768, 32768, 32, 8, 128, True, False, sms) == 1
+    assert head_splits(1, 65536, 65536, 32, 8, 128, True, False, sms) == 4  # one head's Q, dO in L2
+    assert head_splits(1, 65536, 65536, 32, 8, 64, True, False, sms) == 1
+    assert head_splits(1, 65536, 65536, 32, 8, 128, False, False, sms) == 1
     assert head_splits(32, 1024, 1024, 32, 8, 128, True, False, sms) == 1
     assert head_splits(1, 4096, 2048, 32, 8, 128, False, False, sms) == 1  # 128 CTAs: one wave
     assert head_splits(1, 4096, 512, 32, 8, 128, False, False, sms) == 4   # 32 CTAs

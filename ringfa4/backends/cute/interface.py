@@ -216,6 +216,9 @@ def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc
 # Causal keys, by head_dim, from which deterministic GQA takes one query head per backward CTA
 # (head_splits).
 DETERMINISTIC_SPLIT_KEYS = {64: 16384, 128: 2048}
+# Causal keys from which the default backward at head dim 128 takes one query head per CTA, so
+# that the CTAs running at once read one query head's Q, dO and dQ from L2 (head_splits).
+L2_SPLIT_KEYS = 65536
 
 
 def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, deterministic, sms,
@@ -241,6 +244,14 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
     from DETERMINISTIC_SPLIT_KEYS[head_dim] causal keys on, and where the default splits, it takes
     one query head per CTA; non-causal (rotated walks) it does not split (0.87-0.93x against
     0.73-0.89x).
+
+    Long causal sequences at head dim 128 (from L2_SPLIT_KEYS keys): a CTA walking its group's
+    query heads one after the other sets the CTAs running at once on every head of the group at
+    different places, and their Q, dO and dQ no longer fit in L2. One query head per CTA, as
+    upstream FA4 does, cuts the kernel's DRAM traffic at b 1 x 64k, 32/8 from 61.5 / 34.4 GB read
+    / written to 7.9 / 4.5 GB (ncu; FA4 7.9 / 4.5) and runs 1.02-1.05x at 64k keys, ~1.01x at
+    128k, no faster at 32k (H100, sustained turns, each contender twice; RESULTS 2026-11-26 night
+    III). Head dim 64 reads 3 GB either way.
 
     With documents a K/V block walks only the query tiles its documents reach, so the blocks'
     walks differ widely and the longest sets the kernel's time: non-causal calls (a ring's remote
@@ -271,6 +282,8 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
     if deterministic:
         return group if causal and (splits > 1 or seqlen_k >= DETERMINISTIC_SPLIT_KEYS[head_dim]) else 1
     if has_docs and not causal:
+        return group
+    if causal and not has_docs and head_dim == 128 and seqlen_k >= L2_SPLIT_KEYS:
         return group
     if head_dim == 64 and launches_lpt(batch, seqlen_q, heads, head_dim, causal, deterministic, has_docs):
         return halvings(even_share)
