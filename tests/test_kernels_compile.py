@@ -272,9 +272,9 @@ def test_queries_that_see_nothing_do_not_widen_their_tiles_key_range(tile_m):
 def test_backward_splits_a_kv_heads_query_heads_only_where_kv_blocks_are_few():
     """head_splits (host side): a ring step's 4k causal square with 32/8 heads leaves the longest
     CTAs with a whole SM's share and splits; a 32k sequence, a batch of short sequences and MHA
-    do not; causal sequences from 64k keys at head dim 128 take one query head per CTA; a split always divides the group; deterministic mode takes one head per CTA for causal
-    attention from 2k keys (hdim 128; 16k with hdim 64) or where the default splits, and none
-    otherwise."""
+    do not; causal sequences from 64k keys at head dim 128 take one query head per CTA; a split
+    always divides the group; deterministic mode takes one head per CTA for causal attention from
+    2k keys (hdim 128; 16k with hdim 64) or where the default splits, and none otherwise."""
     from ringfa4.backends.cute.interface import head_splits
 
     sms = 132
