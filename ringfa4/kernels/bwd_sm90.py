@@ -283,24 +283,16 @@ class AttentionBackwardSm90:
         self.bytes_q = self.tile_m * tile_bytes + self.tile_m * 4
         self.bytes_kv = 2 * self.tile_n * tile_bytes
 
-        num_n_blocks = cute.ceil_div(cute.size(mK.shape[0]), self.tile_n)
-        kv_slots = cute.size(mK.shape[2]) * head_splits
-        grid = (num_n_blocks, kv_slots, cute.size(mK.shape[3]))
+        num_kv_heads = cute.size(mK.shape[2])
+        grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), num_kv_heads * head_splits,
+                cute.size(mK.shape[3]))
         if const_expr(self.doc_order):
             grid = (grid[0] * grid[1], 1, grid[2])
-        # A CTA's coordinates need divisions by these run-time values. Divided in the kernel,
-        # every warp of every CTA runs them before the first load can issue (~5% of a short
-        # causal CTA's time, ncu); as host-made fast divisors they are a multiply and a shift.
-        divisors = SimpleNamespace(
-            n_blocks=cute.fast_divmod_create_divisor_v2(num_n_blocks),
-            kv_slots=cute.fast_divmod_create_divisor_v2(kv_slots),
-            head_splits=cute.fast_divmod_create_divisor_v2(head_splits))
         self.kernel(
             tQ, tK, tV, tdO, tLSE, tDelta, mdQ, tdK, tdV, mSem,
             tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv,
-            Float32(softmax_scale), Float32(softmax_scale * LOG2_E),
-            divisors.n_blocks, divisors.kv_slots, divisors.head_splits,
-            Int32(cute.size(mQ.shape[2]) // kv_slots), Int32(rotate), Int32(lpt),
+            Float32(softmax_scale), Float32(softmax_scale * LOG2_E), Int32(head_splits), Int32(rotate),
+            Int32(lpt),
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout, self.sdS_layout,
             self.sdKV_layout, self.mma_sdp, self.mma_dkv, self.mma_dq, Storage,
             mKeyLo, mKeyHi, mQueryBlocks, mKeyBlocks, mOrder, mSemKV,
@@ -314,9 +306,8 @@ class AttentionBackwardSm90:
                tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
                tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_delta: cute.CopyAtom,
                tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom,
-               softmax_scale: Float32, scale_log2: Float32, n_blocks_div: cute.FastDivmodDivisorV2,
-               kv_slots_div: cute.FastDivmodDivisorV2, head_splits_div: cute.FastDivmodDivisorV2,
-               heads: Int32, rotate: Int32, lpt: Int32,
+               softmax_scale: Float32, scale_log2: Float32, head_splits: Int32, rotate: Int32,
+               lpt: Int32,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sdKV_layout: cute.ComposedLayout,
@@ -330,13 +321,18 @@ class AttentionBackwardSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_slot, batch = cute.arch.block_idx()
-        num_n_blocks = n_blocks_div.divisor
+        num_n_blocks = cute.ceil_div(tK.shape[0], self.tile_n)
         if const_expr(self.doc_order):
-            kv_slot, n_block = divmod(mOrder[batch, n_block], n_blocks_div)
+            code = mOrder[batch, n_block]
+            kv_slot = code // num_n_blocks
+            n_block = code - kv_slot * num_n_blocks
         elif const_expr(self.causal and not self.deterministic):
             if lpt != 0:
-                n_block, kv_slot = divmod(kv_slot * num_n_blocks + n_block, kv_slots_div)
-        kv_head, share = divmod(kv_slot, head_splits_div)
+                kv_slots = cute.arch.grid_dim()[1]
+                i = kv_slot * num_n_blocks + n_block
+                n_block = i // kv_slots
+                kv_slot = i - n_block * kv_slots
+        kv_head = kv_slot // head_splits
         if const_expr(self.causal and self.deterministic):
             # Shortest KV blocks first: with the reversed reduction order of _store_dq, the
             # block a CTA waits for was launched before it and is one step ahead of it.
@@ -376,6 +372,7 @@ class AttentionBackwardSm90:
         # Every query head of this CTA's share of the kv head's group (GQA) adds into the same
         # dK, dV registers; the shares of one kv head are consecutive slots, so the CTA's first
         # query head is kv_slot * heads.
+        heads = tQ.shape[2] // tK.shape[2] // head_splits
         num_steps = steps_per_head * heads
         rotated = Int32(0)
         rotation = Int32(0)
@@ -389,7 +386,7 @@ class AttentionBackwardSm90:
                         | (mKeyHi[batch, last] != seqlen_k)):
                     rotated = Int32(0)
             if rotated != 0:
-                rotation = (n_block * num_m_blocks) // n_blocks_div
+                rotation = n_block * num_m_blocks // num_n_blocks
         # Each role below builds its own BwdStepScheduler, so the first head's multiply stays in
         # the branch that uses it instead of on every warp's path.
 
@@ -413,7 +410,7 @@ class AttentionBackwardSm90:
                 num_steps)
             self._epilogue_dkv(acc_dK, acc_dV, tiles, sdKV_layout, tdK, tdV, tma_dk, tma_dv,
                                mma_dkv, tidx - WG_THREADS, n_block, kv_head, batch, mSemKV,
-                               share, head_splits_div.divisor)
+                               kv_slot - kv_head * head_splits, head_splits)
 
     @cute.jit
     def _pipelines(self, st, warp_idx):
