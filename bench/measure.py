@@ -33,7 +33,11 @@ class Timer:
     """Milliseconds per call of each of several fns, which take turns.
 
     Warm-up: ``warmup`` calls of each fn in turn, so that the allocator's cache holds what each fn
-    needs after the others ran. Then ``rounds`` rounds; in each, every fn in turn makes ``iters``
+    needs after the others ran; then one untimed round of whole turns, so that the timed rounds
+    start at the clocks the device holds under sustained load. (Without it, the first timed turn
+    after the short warm-up calls read 4-6% faster than every later one on an H100, and with "min"
+    the fn listed first always had it: three copies of one backward call read 1.000 / 0.956 /
+    0.952; bench/RESULTS.md, 2026-11-27.) Then ``rounds`` rounds; in each, every fn in turn makes ``iters``
     back-to-back calls between two CUDA events (perf_counter on CPU), the order rotated by one
     place per round: a fn timed first in every round read up to 8% off the same fn timed third
     (bench/RESULTS.md, 2026-11-26 night II), so no fn keeps a place. Each fn's rounds reduce to
@@ -60,6 +64,7 @@ class Timer:
         self.turn_ms, self.reduce, self.group = turn_ms, reduce, group
         self.calls = []  # per fn of the last call: calls per timed turn
         self.mallocs = []  # per fn of the last call: cudaMalloc calls in its timed turns (warm-up excluded)
+        self.round_ms = []  # of the last call: per round, each fn's ms per call (before reduction)
 
     def __call__(self, *fns):
         """(ms per call of each fn, in order)."""
@@ -68,6 +73,8 @@ class Timer:
             last = [self._turn(fn, 1) for fn in fns]
         self.calls = [self.iters if self.turn_ms is None else max(self.iters, math.ceil(self.turn_ms / max(ms, 1e-3)))
                       for ms in last]
+        for fn, calls in zip(fns, self.calls):
+            self._turn(fn, calls)
         self.mallocs = [0] * len(fns)
         ms = [[math.nan] * len(fns) for _ in range(self.rounds)]
         for r in range(self.rounds):
@@ -77,6 +84,7 @@ class Timer:
             worst = torch.tensor(ms, dtype=torch.float64, device=self.device)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.group)
             ms = worst.tolist()
+        self.round_ms = ms
         return tuple(REDUCTIONS[self.reduce](column) for column in zip(*ms))
 
     def _turn(self, fn, calls, index=None):

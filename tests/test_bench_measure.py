@@ -49,10 +49,10 @@ def test_timer_takes_turns_in_a_rotating_order_and_makes_the_asked_calls():
 
     timer = measure.Timer("cpu", rounds=3, warmup=1, iters=2, reduce="min")
     short, long = timer(fn("short", 0.001), fn("long", 0.02))
-    # warm-up: one call each in turn; then per round two calls of one, then two of the other,
-    # the round's first turn moving one place each round
-    assert calls == ["short", "long"] + ["short", "short", "long", "long"] + ["long", "long", "short", "short"] + [
-        "short", "short", "long", "long"]
+    # warm-up: one call each in turn, then an untimed round of whole turns; then per round two
+    # calls of one, then two of the other, the round's first turn moving one place each round
+    assert calls == ["short", "long"] + ["short", "short", "long", "long"] + [
+        "short", "short", "long", "long"] + ["long", "long", "short", "short"] + ["short", "short", "long", "long"]
     assert 1 <= short < 10 < 20 <= long < 60
 
 
@@ -67,9 +67,10 @@ def test_timer_turn_ms_fills_each_turn_by_the_warm_up_estimate():
 
     timer = measure.Timer("cpu", rounds=2, warmup=1, turn_ms=40, reduce="median")
     timer(fn("fast", 0), fn("slow", 0.05))
-    assert timer.calls[1] == 1 and counts["slow"] == 1 + 2  # one call over 40 ms fills a turn
+    # one call over 40 ms fills a turn: the warm-up call, the settling turn, two timed turns
+    assert timer.calls[1] == 1 and counts["slow"] == 1 + 1 + 2
     # A no-op's estimate is microseconds; >= 2 holds even when a busy machine stalls the warm-up call.
-    assert timer.calls[0] >= 2 and counts["fast"] == 1 + 2 * timer.calls[0]
+    assert timer.calls[0] >= 2 and counts["fast"] == 1 + 3 * timer.calls[0]
 
 
 def test_timer_refuses_turn_ms_across_ranks_and_bad_counts():
