@@ -33,8 +33,8 @@ class Timer:
     """Milliseconds per call of each of several fns, which take turns.
 
     Warm-up: ``warmup`` calls of each fn in turn, so that the allocator's cache holds what each fn
-    needs after the others ran; then one untimed round of whole turns, so that the timed rounds
-    start at the clocks the device holds under sustained load. (Without it, the first timed turn
+    needs after the others ran; then, where a turn is more than one call, one untimed round of
+    whole turns, so that the timed rounds start at the clocks the device holds under sustained load. (Without it, the first timed turn
     after the short warm-up calls read 4-6% faster than every later one on an H100, and with "min"
     the fn listed first always had it: three copies of one backward call read 1.000 / 0.956 /
     0.952; bench/RESULTS.md, 2026-11-27.) Then ``rounds`` rounds; in each, every fn in turn makes ``iters``
@@ -73,8 +73,9 @@ class Timer:
             last = [self._turn(fn, 1) for fn in fns]
         self.calls = [self.iters if self.turn_ms is None else max(self.iters, math.ceil(self.turn_ms / max(ms, 1e-3)))
                       for ms in last]
-        for fn, calls in zip(fns, self.calls):
-            self._turn(fn, calls)
+        if any(calls > 1 for calls in self.calls):  # else the warm-up calls were whole turns already
+            for fn, calls in zip(fns, self.calls):
+                self._turn(fn, calls)
         self.mallocs = [0] * len(fns)
         ms = [[math.nan] * len(fns) for _ in range(self.rounds)]
         for r in range(self.rounds):
