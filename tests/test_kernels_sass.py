@@ -1,5 +1,8 @@
 """The main-loop comparison of `python -m ringfa4.kernels --sass --compare` (ringfa4.kernels.sass),
 on nvdisasm-style text: no GPU, no CUDA toolkit."""
+import pytest
+
+from ringfa4.kernels import __main__ as cli
 from ringfa4.kernels import sass
 
 HEADER = "\t.text.kernel:\n"
@@ -30,3 +33,13 @@ def test_renamed_registers_move_nothing_and_a_reordered_loop_counts_its_moves():
 
 def test_a_kernel_without_wgmma_has_no_main_loop():
     assert sass.main_loop(_text(["S2R R0, SR_TID.X", "EXIT"])) == []
+
+
+def test_the_cli_names_what_sass_and_compare_need(tmp_path, capsys, monkeypatch):
+    with pytest.raises(SystemExit):
+        cli.main(["--dump", str(tmp_path), "--compare", str(tmp_path)])
+    assert "--compare needs --sass" in capsys.readouterr().err
+    monkeypatch.setattr(cli.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit):
+        cli.main(["--dump", str(tmp_path), "--sass"])
+    assert "--sass needs nvdisasm" in capsys.readouterr().err
