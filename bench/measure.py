@@ -34,10 +34,11 @@ class Timer:
 
     Warm-up: ``warmup`` calls of each fn in turn, so that the allocator's cache holds what each fn
     needs after the others ran; then, where a turn is more than one call, one untimed round of
-    whole turns, so that the timed rounds start at the clocks the device holds under sustained load. (Without it, the first timed turn
-    after the short warm-up calls read 4-6% faster than every later one on an H100, and with "min"
-    the fn listed first always had it: three copies of one backward call read 1.000 / 0.956 /
-    0.952; bench/RESULTS.md, 2026-11-27.) Then ``rounds`` rounds; in each, every fn in turn makes ``iters``
+    whole turns, so that the timed rounds start at the clocks the device holds under sustained
+    load. (Without it, the first timed turn after the short warm-up calls read 4-6% faster than
+    every later one on an H100, and with "min" the fn listed first always had it: three copies of
+    one backward call read 1.000 / 0.956 / 0.952; bench/RESULTS.md, 2026-11-27.) Then ``rounds``
+    rounds; in each, every fn in turn makes ``iters``
     back-to-back calls between two CUDA events (perf_counter on CPU), the order rotated by one
     place per round: a fn timed first in every round read up to 8% off the same fn timed third
     (bench/RESULTS.md, 2026-11-26 night II), so no fn keeps a place. Each fn's rounds reduce to

@@ -65,12 +65,12 @@ def main(argv=None):
 def _sass(nvdisasm, cubin, path, old_path):
     """Disassemble ``cubin`` (the DSL gives its bytes or the path it kept it at) into ``path``;
     the main loop's length, and its moves against old_path."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        if isinstance(cubin, bytes):
+    if isinstance(cubin, bytes):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(cubin)
             f.flush()
-        text = subprocess.run([nvdisasm, "-c", f.name if isinstance(cubin, bytes) else cubin],
-                              capture_output=True, text=True, check=True).stdout
+            return _sass(nvdisasm, f.name, path, old_path)
+    text = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
     with open(path, "w") as f:
         f.write(text)
     loop = sass.main_loop(text)
