@@ -36,7 +36,9 @@ def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_shipped_variants(tmp_path):
     # 2 dtypes x 2 head dims x causal or not, long and (d128 both, d64 causal) short tiles, d64
     # also packed GQA
     assert sum(v.name.startswith("fwd_") for v in chosen) == 40
-    assert sum(v.name.startswith("fwd_") and v.name.endswith("_docs") for v in chosen) == 20
+    assert sum(v.name.startswith("fwd_") and "_docs" in v.name for v in chosen) == 20
+    # d128 causal with documents, short and up to 64k keys: persistent in the host's order (bf16, fp16)
+    assert sum(v.name.startswith("fwd_") and v.name.endswith("_docs_order") for v in chosen) == 2
     assert sum(v.name.startswith("fwd_") and "_gqa4" in v.name for v in chosen) == 12
     # d64 and d128 x causal or not, without and with documents; 2 deterministic (one 80-row)
     assert sum(v.name.startswith("bwd_") for v in chosen) == 10
@@ -137,6 +139,50 @@ def test_short_causal_forward_runs_persistent_ctas_only_with_many_tiles_per_sm(d
     assert not fwd_defaults("bf16", d, True, seqlen_k=2048, rows_per_sm=few).persistent
     assert not fwd_defaults("bf16", d, True, seqlen_k=8192, rows_per_sm=many).persistent
     assert fwd_defaults("bf16", d, False, seqlen_k=2048).persistent  # equal tiles share evenly
+
+
+def test_causal_forward_with_documents_runs_persistent_in_the_hosts_tile_order_up_to_64k_keys_at_hdim_128():
+    from ringfa4.backends.cute.configs import DOC_PERSISTENT_KEYS
+
+    for keys in (1, 32768, DOC_PERSISTENT_KEYS):
+        cfg = fwd_defaults("bf16", 128, True, True, seqlen_k=keys)
+        assert cfg.persistent and cfg.tile_order, keys
+    for cfg in (fwd_defaults("bf16", 128, True, True, seqlen_k=2 * DOC_PERSISTENT_KEYS),
+                fwd_defaults("bf16", 128, True, True), fwd_defaults("bf16", 128, True, seqlen_k=1024),
+                fwd_defaults("bf16", 128, False, True, seqlen_k=4096), fwd_defaults("bf16", 64, True, True, seqlen_k=4096)):
+        assert not cfg.tile_order
+
+
+@pytest.mark.parametrize("pack", [1, 4])
+def test_forward_tile_order_deals_every_tile_once_and_evens_the_persistent_ctas_key_blocks(pack):
+    """tile_order (host side, plain torch): a permutation of the raster ids over batch rows
+    with different documents, whose static share (CTA c: positions c, c + grid, ...) gives
+    every CTA about the same key blocks; packed heads count kv heads."""
+    from dataclasses import replace
+
+    from ringfa4.backends.cute.interface import tile_order, visible_keys
+
+    gen = torch.Generator().manual_seed(pack)
+    cfg = replace(fwd_defaults("bf16", 64 if pack > 1 else 128, True, True, seqlen_k=4096), pack_gqa=pack)
+    tile_pos = cfg.tile_m // pack
+    for b, seq, heads, grid in ((1, 8192, 8, 132), (3, 4000, 4, 16), (2, 300, 2, 132)):
+        rows = []
+        for _ in range(b):
+            cuts = torch.randint(1, seq, (int(torch.randint(0, 12, (), generator=gen)),), generator=gen)
+            rows.append(sorted({0, seq, *cuts.tolist()}))
+        ids = torch.stack([_document_ids([e - a for a, e in zip(r, r[1:])])[0] for r in rows])
+        blocks = -(-seq // tile_pos)
+        order = tile_order((ids, ids), cfg, heads, grid)
+        assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(b * heads * blocks))
+        key_lo, key_hi = visible_keys((ids, ids), tile_pos)
+        first = torch.arange(0, seq, tile_pos)
+        last = (first + tile_pos).clamp(max=seq) - 1
+        n_lo = key_lo[:, first] // cfg.tile_n
+        walk = torch.maximum(-(-torch.minimum(key_hi[:, last], last + 1) // cfg.tile_n), n_lo + 1) - n_lo
+        cost = walk.repeat_interleave(heads, dim=0).flatten()[order.long()]
+        share = torch.nn.functional.pad(cost, (0, -len(cost) % grid)).view(-1, grid).sum(0).float()
+        if len(cost) >= 8 * grid:  # many tiles a CTA: the greedy deal leaves them within 5%
+            assert share.max() <= 1.05 * share.mean(), (b, seq, share.max() / share.mean())
 
 
 def _document_ids(lengths):

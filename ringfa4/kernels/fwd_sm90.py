@@ -84,6 +84,7 @@ class FwdSm90:
         assert cfg.dtype in ("bf16", "fp16")
         assert cfg.head_dim in (64, 128) and cfg.tile_m % 64 == 0 and cfg.tile_n % 16 == 0
         assert cfg.tile_m % cfg.pack_gqa == 0, "a tile holds whole positions of packed heads"
+        assert cfg.has_docs or not cfg.tile_order, "a host tile order is made from documents"
         self.cfg = cfg
         self.pack = cfg.pack_gqa
         self.tile_pos = cfg.tile_m // cfg.pack_gqa  # query positions per tile
@@ -118,6 +119,7 @@ class FwdSm90:
         mLSE: cute.Tensor,  # (b, h, sq) fp32
         mKeyLo: Optional[cute.Tensor],  # (b, sq) int32, has_docs: first key of each query's document
         mKeyHi: Optional[cute.Tensor],  # (b, sq) int32, has_docs: one past its last key
+        mOrder: Optional[cute.Tensor],  # (tiles,) int32, tile_order: the raster id of each tile
         softmax_scale: Float32,
         num_ctas: Int32,  # persistent grid size (the GPU's SM count); ignored otherwise
         stream,
@@ -131,6 +133,8 @@ class FwdSm90:
             mLSE = pack_heads(mLSE, self.pack, 1)
         if const_expr(self.cfg.has_docs != (mKeyLo is not None and mKeyHi is not None)):
             raise TypeError("key_lo and key_hi are required exactly when has_docs")
+        if const_expr(self.cfg.tile_order != (mOrder is not None)):
+            raise TypeError("order is required exactly with tile_order")
         if const_expr(self.cfg.has_docs):
             mKeyLo, mKeyHi = select_modes(mKeyLo, [1, 0]), select_modes(mKeyHi, [1, 0])  # (sq, b)
         dt = self.dtype
@@ -182,7 +186,7 @@ class FwdSm90:
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             softmax_scale * LOG2_E, num_tiles,
             sQ_layout, sK_layout, sV_layout, sO_layout,
-            tiled_mma_qk, tiled_mma_pv, SharedStorage, mKeyLo, mKeyHi,
+            tiled_mma_qk, tiled_mma_pv, SharedStorage, mKeyLo, mKeyHi, mOrder,
         ).launch(
             grid=[grid, 1, 1],
             block=[self.num_threads, 1, 1],
@@ -236,7 +240,7 @@ class FwdSm90:
         SharedStorage: cutlass.Constexpr,
         # Last: the kernel's symbol names its leading arguments, and without documents it stays
         # the one it had before they existed.
-        mKeyLo: Optional[cute.Tensor], mKeyHi: Optional[cute.Tensor],
+        mKeyLo: Optional[cute.Tensor], mKeyHi: Optional[cute.Tensor], mOrder: Optional[cute.Tensor],
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -277,19 +281,19 @@ class FwdSm90:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.load(
-                    mQ, mK, mV, mKeyLo, mKeyHi, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                    mQ, mK, mV, mKeyLo, mKeyHi, mOrder, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                     pipe_q, pipe_k, pipe_v, num_tiles,
                 )
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(
-                mQ, mK, mO, mLSE, mKeyLo, mKeyHi, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                pipe_q, pipe_k, pipe_v, scale_log2, num_tiles,
+                mQ, mK, mO, mLSE, mKeyLo, mKeyHi, mOrder, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk,
+                tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, num_tiles,
             )
 
     @cute.jit
     def load(
-        self, mQ, mK, mV, mKeyLo, mKeyHi, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+        self, mQ, mK, mV, mKeyLo, mKeyHi, mOrder, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
         pipe_q, pipe_k, pipe_v, num_tiles,
     ):
         rows, seqlen_k = cute.size(mQ, mode=[0]), mK.shape[0]
@@ -297,7 +301,7 @@ class FwdSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         tile = Int32(cute.arch.block_idx()[0])
         while tile < num_tiles:
-            m_block, head, batch = self.scheduler.coords(tile, rows, seqlen_k, mQ.shape[2], mQ.shape[3])
+            m_block, head, batch = self.scheduler.coords(tile, rows, seqlen_k, mQ.shape[2], mQ.shape[3], mOrder)
             head_kv = head // (mQ.shape[2] // mK.shape[2])
             # Blocks n_lo .. n_lo + n_block_max - 1 (n_lo None: from 0).
             n_lo = None
@@ -364,8 +368,8 @@ class FwdSm90:
 
     @cute.jit
     def consume(
-        self, mQ, mK, mO, mLSE, mKeyLo, mKeyHi, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-        pipe_q, pipe_k, pipe_v, scale_log2, num_tiles,
+        self, mQ, mK, mO, mLSE, mKeyLo, mKeyHi, mOrder, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk,
+        tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, num_tiles,
     ):
         rows, seqlen_k = cute.size(mQ, mode=[0]), mK.shape[0]
         tidx = cute.arch.thread_idx()[0] - 128
@@ -381,7 +385,7 @@ class FwdSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         tile = Int32(cute.arch.block_idx()[0])
         while tile < num_tiles:
-            m_block, head, batch = self.scheduler.coords(tile, rows, seqlen_k, mQ.shape[2], mQ.shape[3])
+            m_block, head, batch = self.scheduler.coords(tile, rows, seqlen_k, mQ.shape[2], mQ.shape[3], mOrder)
             if const_expr(self.cfg.has_docs):
                 blocks = self.doc_blocks(m_block, batch, rows, seqlen_k, mKeyLo, mKeyHi)
             else:

@@ -1,7 +1,8 @@
 """Which work a CTA does next.
 
 The forward's work tiles are (query block, head, batch); a CTA takes tile blockIdx.x, then
-(persistent) every grid-size-th one. With LPT ("longest processing time first", for causal),
+(persistent) every grid-size-th one, in the raster order (query blocks fastest), LPT's, or one
+the host gives. With LPT ("longest processing time first", for causal),
 heads are taken in groups whose K and V fit in L2 together, and within a group the query blocks
 run last-first: the longest causal tiles start first and the short ones fill the tail.
 
@@ -27,13 +28,18 @@ class FwdTileScheduler:
         self.lpt = lpt
 
     @cute.jit
-    def coords(self, tile: Int32, seqlen_q: Int32, seqlen_k: Int32, heads: Int32, batch: Int32):
-        """(m_block, head, batch) of work tile ``tile``."""
+    def coords(self, tile: Int32, seqlen_q: Int32, seqlen_k: Int32, heads: Int32, batch: Int32, order=None):
+        """(m_block, head, batch) of work tile ``tile``; ``order`` (the host's, int32 per tile):
+        the raster id of the tile to run ``tile``-th."""
         num_m = (seqlen_q + self.tile_m - 1) // self.tile_m
         num_bh = heads * batch
         m_block = Int32(0)
         bh = Int32(0)
-        if const_expr(self.lpt):
+        if const_expr(order is not None):
+            raster = order[tile]
+            m_block = raster % num_m
+            bh = raster // num_m
+        elif const_expr(self.lpt):
             kv_bytes = seqlen_k * self.kv_row_bytes
             group = cutlass.max(Int32(1), cutlass.min(num_bh, Int32(L2_BUDGET) // cutlass.max(kv_bytes, Int32(1))))
             g = tile // (group * num_m)

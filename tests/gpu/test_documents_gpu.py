@@ -4,6 +4,7 @@ explicitly, against per-document fp64 attention: out, lse and the gradients, bf1
 head dims 64 and 128, the boundary cases of the CPU ring tests. And every rank of a ring with
 documents simulated on this GPU (its steps narrowed to the rows that share documents): out, lse
 and dq against the same reference."""
+import math
 import os
 import sys
 
@@ -76,6 +77,35 @@ def test_a_gpu_cu_seqlens_changed_in_place_gives_its_new_documents():
         ref_out, ref_lse = document_attention_fp64(*(t.double() for t in (q, k, v)), [row], causal=True)
         _assert_close("out", out, ref_out, row)
         _assert_close("lse", lse, ref_lse, row)
+
+
+@pytest.mark.parametrize("pack", [1, 4])
+def test_persistent_forward_in_the_hosts_tile_order_writes_every_row_of_a_packed_batch(pack):
+    """The causal document forward's default at head dim 128 (persistent CTAs dealt tiles in
+    interface.tile_order), also with packed heads, over a packed batch whose rows hold different
+    documents, with many more tiles than SMs: every element of out and lse written (both
+    preallocated as NaN), equal to fp64, and bit for bit the non-persistent launch-order
+    kernel's (a tile's work does not depend on when it runs)."""
+    from dataclasses import replace
+
+    from ringfa4.backends.cute import interface
+
+    b, seq = 3, 4096
+    rows = [[0, 1, 130, 2000, seq], [0, seq], [0, 64, 128, 1000, 1001, 3000, seq]]
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn(b, seq, n, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for n in (16, 4, 4))
+    ids = documents.local_ids(rows, seq, q.device)
+    config = replace(interface.forward_config(q, k, True, has_docs=True), pack_gqa=pack)
+    assert config.persistent and config.tile_order
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((b, 16, seq), math.nan, device="cuda")
+    interface.forward(q, k, v, True, None, out=out, lse=lse, config=config, doc_ids=ids)
+    ref_out, ref_lse = document_attention_fp64(q, k, v, rows, causal=True)
+    _assert_close("out", out, ref_out, "persistent, host order")
+    _assert_close("lse", lse, ref_lse, "persistent, host order")
+    launch_order = replace(config, persistent=False, tile_order=False)
+    out2, lse2 = interface.forward(q, k, v, True, None, config=launch_order, doc_ids=ids)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
 RING_SEQ = 8192

@@ -195,7 +195,7 @@ def test_persistent_ctas_running_many_tiles_each(d, causal):
     out, lse = _poisoned(q)
     # 128-key tiles: persistent CTAs' separate O buffer does not fit beside 176-key K/V stages.
     fn = kc.compile_variant(fwd_variant("bf16", d, causal, persistent=True, tile_n=128))
-    fn(q, k, v, out, lse, None, None, d ** -0.5, 7)  # no documents: no key ranges
+    fn(q, k, v, out, lse, None, None, None, d ** -0.5, 7)  # no documents: no key ranges, no host order
     ref_out, ref_lse = torch_ref.forward(*(t.double() for t in (q, k, v)), causal, d ** -0.5)
     pt_out, pt_lse = _lowp_reference(q, k, v, causal, d ** -0.5)
     for name, got, pt, ref in (("out", out, pt_out, ref_out), ("lse", lse, pt_lse, ref_lse)):

@@ -52,7 +52,8 @@ def _fwd_args(cfg: FwdSm90Config):
     lse = _fake(Float32, (b, h, sq), assumed_align=4)
     key_lo, key_hi = ((_fake(Int32, (b, sq), assumed_align=4) for _ in range(2)) if cfg.has_docs
                       else (None, None))
-    return FwdSm90(cfg), (q, k, v, o, lse, key_lo, key_hi, Float32(1.0), Int32(1), _stream())
+    order = _fake(Int32, (cute.sym_int(),), assumed_align=4) if cfg.tile_order else None
+    return FwdSm90(cfg), (q, k, v, o, lse, key_lo, key_hi, order, Float32(1.0), Int32(1), _stream())
 
 
 def _bwd_args(cfg: BwdSm90Config):

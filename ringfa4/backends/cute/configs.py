@@ -36,6 +36,10 @@ class FwdSm90Config:
     # at run time, skips key blocks outside the query block's documents and masks the blocks on
     # a document boundary. One variant serves every boundary set.
     has_docs: bool = False
+    # The tiles' order from the host (an int32 tile id per position, interface.tile_order)
+    # instead of the kernel's own (lpt or the plain raster): with documents, where a tile's key
+    # blocks depend on its documents, not on its position.
+    tile_order: bool = False
 
     @property
     def name(self) -> str:
@@ -45,7 +49,8 @@ class FwdSm90Config:
             f"rs{self.rescale_threshold:g}" if self.rescale_threshold is not None else "rsalways",
             f"ex{self.ex2_fma_per16}",
         ] + (["lpt"] if self.lpt else []) + (["persist"] if self.persistent else []) + (
-            [f"gqa{self.pack_gqa}"] if self.pack_gqa > 1 else []) + (["docs"] if self.has_docs else [])
+            [f"gqa{self.pack_gqa}"] if self.pack_gqa > 1 else []) + (["docs"] if self.has_docs else []) + (
+            ["order"] if self.tile_order else [])
         return (
             f"fwd_sm90_{self.dtype}_d{self.head_dim}_{'causal' if self.causal else 'full'}"
             f"_{self.tile_m}x{self.tile_n}s{self.num_stages}_" + "_".join(flags)
@@ -128,6 +133,13 @@ class MergeConfig:
 # the launch-order LPT grid, whose CTAs start wherever an SM frees).
 SHORT_KEYS = {(128, False): 4096, (64, True): 2048, (128, True): 4096}
 PERSISTENT_CAUSAL_TILES = 20
+# Keys up to which the causal forward with documents at head dim 128 runs on persistent CTAs in
+# the host's balanced tile order (interface.tile_order): documents make short walks, where a
+# persistent producer hides the next tile's loads (32/8 heads, H100: 4k-token documents
+# 1.03-1.08x at 32k and 128k keys, one 32k document 1.02x), but at 128k keys with documents of
+# 64k+ the CTAs drift apart over their long walks and lose L2 (0.975x). At head dim 64 (192-row
+# tiles, packed heads) it gained nothing (0.99-1.01x). RESULTS, session of 2026-11-27 II.
+DOC_PERSISTENT_KEYS = 65536
 
 
 def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False,
@@ -142,7 +154,8 @@ def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False
     row per SM). At head dim 64 with GQA (``heads_per_kv`` query heads per kv head), the heads
     of a kv head share each tile's rows where they divide it (pack_gqa: 1.01-1.16x; at head dim
     128 0.98-1.03x, so not there). With documents (``has_docs``) the same tiles, so that one
-    document gives the dense result bit for bit."""
+    document gives the dense result bit for bit; causal at head dim 128 up to
+    DOC_PERSISTENT_KEYS keys on persistent CTAs in the host's tile order."""
     if head_dim <= 64:
         cfg = FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=192,
                             tile_n=128, lpt=causal, persistent=not causal, has_docs=has_docs)
@@ -152,6 +165,8 @@ def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False
     short = seqlen_k is not None and seqlen_k <= SHORT_KEYS.get((head_dim, causal), 0)
     if short and (not causal or rows_per_sm >= PERSISTENT_CAUSAL_TILES * cfg.tile_m):
         cfg = replace(cfg, tile_n=128, persistent=True)
+    if has_docs and causal and head_dim == 128 and seqlen_k is not None and seqlen_k <= DOC_PERSISTENT_KEYS:
+        cfg = replace(cfg, persistent=True, tile_order=True)
     if head_dim <= 64 and heads_per_kv > 1 and cfg.tile_m % heads_per_kv == 0:
         cfg = replace(cfg, pack_gqa=heads_per_kv)
     return cfg
