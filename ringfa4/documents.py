@@ -450,6 +450,17 @@ def call_kwargs(doc_ids):
     return {} if doc_ids is None else {"doc_ids": doc_ids}
 
 
+class DocIds(tuple):
+    """doc_ids as backends take them, (q_ids, k_ids), with ``longest``: the most query rows one
+    document holds in a batch row (a host int; None: not known), by which a backend may choose
+    its kernels without reading the ids from the device."""
+
+    def __new__(cls, q_ids, k_ids, longest=None):
+        ids = super().__new__(cls, (q_ids, k_ids))
+        ids.longest = longest
+        return ids
+
+
 def local_ids(rows, seq_len, device):
     """doc_ids (q_ids, k_ids) of one unsharded sequence of ``seq_len`` per row, on ``device``: the
     same tensors for the same documents, so a model's layers and their backward share them and
@@ -461,4 +472,4 @@ def local_ids(rows, seq_len, device):
 @functools.lru_cache(maxsize=8)
 def _local_ids(rows, seq_len, device):
     ids = ids_at([list(row) for row in rows], torch.arange(seq_len).expand(len(rows), -1)).to(device)
-    return ids, ids
+    return DocIds(ids, ids, max(b - a for row in rows for a, b in zip(row, row[1:])))

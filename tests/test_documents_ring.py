@@ -1,5 +1,6 @@
 """Packed documents: the ring over gloo processes equals per-document fp64 attention on the full
 sequence (out, lse, dq, dk, dv), for every layout, causal and not, GQA, many boundary shapes."""
+import itertools
 import math
 import random
 
@@ -265,3 +266,25 @@ def test_a_step_calls_the_backend_over_the_rows_that_share_documents_only(monkey
     assert narrower > 0, "no step was narrowed: the cases do not test it"
     if split_rows == 64:
         assert split > 0, "no step was split into several calls: the cases do not test it"
+
+
+def _longest_run(ids):
+    return max(max(len(list(g)) for _, g in itertools.groupby(row)) for row in ids.tolist())
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "document_balanced"])
+def test_every_calls_ids_carry_their_longest_document_on_the_host(layout):
+    """DocIds.longest (what a backend may choose kernels by without reading the ids back from the
+    device): the longest document of a one-device call, and per ring call the longest run of one
+    id among its query rows."""
+    rows = [[0, 5, 300, 310, 700, 1024]]
+    assert documents.local_ids(rows, 1024, "cpu").longest == 390
+    for world in (2, 4):
+        for rank in range(world):
+            docs = RingDocuments(rows, rank, world, layout, 1024, torch.device("cpu"))
+            assert docs.local.longest == _longest_run(docs.local[0])
+            for source in range(world):
+                for causal in (False, True):
+                    step = plan(rank, source, layout, causal, docs.local[0].shape[1])
+                    for part, ids in docs.calls(step, source, causal, "fwd", [torch.zeros(1, 1024 // world)]):
+                        assert ids.longest == _longest_run(ids[0]), (rank, source, part)

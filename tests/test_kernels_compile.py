@@ -141,16 +141,21 @@ def test_short_causal_forward_runs_persistent_ctas_only_with_many_tiles_per_sm(d
     assert fwd_defaults("bf16", d, False, seqlen_k=2048).persistent  # equal tiles share evenly
 
 
-def test_causal_forward_with_documents_runs_persistent_in_the_hosts_tile_order_up_to_64k_keys_at_hdim_128():
+def test_causal_forward_with_documents_up_to_32k_tokens_runs_persistent_in_the_hosts_tile_order_at_hdim_128():
     from ringfa4.backends.cute.configs import DOC_PERSISTENT_KEYS
 
-    for keys in (1, 32768, DOC_PERSISTENT_KEYS):
-        cfg = fwd_defaults("bf16", 128, True, True, seqlen_k=keys)
-        assert cfg.persistent and cfg.tile_order, keys
-    for cfg in (fwd_defaults("bf16", 128, True, True, seqlen_k=2 * DOC_PERSISTENT_KEYS),
-                fwd_defaults("bf16", 128, True, True), fwd_defaults("bf16", 128, True, seqlen_k=1024),
-                fwd_defaults("bf16", 128, False, True, seqlen_k=4096), fwd_defaults("bf16", 64, True, True, seqlen_k=4096)):
-        assert not cfg.tile_order
+    def order(**kw):
+        cfg = fwd_defaults("bf16", kw.pop("d", 128), kw.pop("causal", True), kw.pop("docs", True), **kw)
+        assert cfg.persistent == cfg.tile_order or not cfg.tile_order
+        return cfg.tile_order
+
+    assert order(seqlen_k=1) and order(seqlen_k=DOC_PERSISTENT_KEYS)  # the longest document not known
+    assert order(seqlen_k=131072, longest_document=16000)
+    assert order(seqlen_k=131072, longest_document=DOC_PERSISTENT_KEYS)
+    assert not order(seqlen_k=131072, longest_document=DOC_PERSISTENT_KEYS + 1)
+    assert not order(seqlen_k=2 * DOC_PERSISTENT_KEYS) and not order()
+    assert not order(docs=False, seqlen_k=1024) and not order(causal=False, seqlen_k=4096)
+    assert not order(d=64, seqlen_k=4096)
 
 
 @pytest.mark.parametrize("pack", [1, 4])

@@ -36,7 +36,9 @@ step's rows are increasing global positions, so documents come in order). Query 
 q_ids[i] == k_ids[j] (and j <= i when causal; causal calls have q and k over the same rows).
 Rows that see nothing (non-causal ring steps, rectangular calls) give lse = -inf and out = 0, and
 no gradient. The api and the ring derive the ids from ``cu_seqlens`` and the layout; ids of a
-step may be renumbered (ringfa4.ring.documents) but always keep the order.
+step may be renumbered (ringfa4.ring.documents) but always keep the order. They pass a
+ringfa4.documents.DocIds, whose ``longest`` (the most query rows of one document, known on the
+host) a backend may read to choose kernels; any (q_ids, k_ids) pair is valid input.
 """
 import importlib
 

@@ -146,13 +146,14 @@ class RingDocuments:
         self._ids = [documents.ids_at(rows, p) for p in pos]
         self._spans = [_spans(i, p) for i, p in zip(self._ids, pos)]
         self._piece = [_pieces(p) for p in pos]
-        self._local = self._ids[rank].to(device)
+        local = self._ids[rank]
+        self._local = documents.DocIds(*(local.to(device),) * 2, _longest(local))
         self._step_ids, self._step_parts, self._steps = {}, {}, {}
 
     @property
     def local(self):
         """doc_ids (q_ids, k_ids) of this rank's rows against themselves."""
-        return self._local, self._local
+        return self._local
 
     def _sees(self, rank, source, causal):
         """Whether any query of ``rank`` sees a key of ``source`` (same document, and causal, an
@@ -195,7 +196,7 @@ class RingDocuments:
             return []
         if source == self.rank or step.causal:
             return [step]
-        local_len = self._local.shape[1]
+        local_len = self._local[0].shape[1]
         q0, q1, _ = step.q.indices(local_len)
         k0 = step.kv.indices(local_len)[0]
         groups = _groups(q[0], k[0], shared[0]) if len(q) == 1 else [_hull(q, k, shared)]
@@ -219,15 +220,21 @@ class RingDocuments:
             return []
         key = (source, causal)
         if key not in self._step_parts:
-            q_dev, k_dev = self._ids_for(source, causal)[2:]
-            self._step_parts[key] = [(part, (q_dev[:, part.q], k_dev[:, part.kv]))
-                                     for part in self._parts(step, source, causal)]
+            q_host, _, q_dev, k_dev = self._ids_for(source, causal)
+            self._step_parts[key] = [
+                (part, documents.DocIds(q_dev[:, part.q], k_dev[:, part.kv], _longest(q_host[:, part.q])))
+                for part in self._parts(step, source, causal)]
         parts = self._step_parts[key]
         if parts:
             _count(phase, False)
         else:
             _count(phase, True, sum(t[:, step.kv].numel() * t.element_size() for t in kv))
         return parts
+
+
+def _longest(ids):
+    """DocIds.longest of host ids (b, n): the longest run of one id in a row."""
+    return max(int(np.unique(row, return_counts=True)[1].max()) for row in ids.numpy()) if ids.numel() else 0
 
 
 def _rows_of(ids, d):

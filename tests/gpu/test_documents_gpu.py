@@ -95,7 +95,7 @@ def test_persistent_forward_in_the_hosts_tile_order_writes_every_row_of_a_packed
     gen = torch.Generator(device="cuda").manual_seed(11)
     q, k, v = (torch.randn(b, seq, n, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for n in (16, 4, 4))
     ids = documents.local_ids(rows, seq, q.device)
-    config = replace(interface.forward_config(q, k, True, has_docs=True), pack_gqa=pack)
+    config = replace(interface.forward_config(q, k, True, ids), pack_gqa=pack)
     assert config.persistent and config.tile_order
     out = torch.full_like(q, math.nan)
     lse = torch.full((b, 16, seq), math.nan, device="cuda")

@@ -133,18 +133,19 @@ class MergeConfig:
 # the launch-order LPT grid, whose CTAs start wherever an SM frees).
 SHORT_KEYS = {(128, False): 4096, (64, True): 2048, (128, True): 4096}
 PERSISTENT_CAUSAL_TILES = 20
-# Keys up to which the causal forward with documents at head dim 128 runs on persistent CTAs in
-# the host's balanced tile order (interface.tile_order): documents make short walks, where a
-# persistent producer hides the next tile's loads (32/8 heads, H100: 4k-token documents
-# 1.03-1.08x at 32k and 128k keys, one 32k document 1.02x), but at 128k keys with documents of
-# 64k+ the CTAs drift apart over their long walks and lose L2 (0.975x). At head dim 64 (192-row
-# tiles, packed heads) it gained nothing (0.99-1.01x). RESULTS, session of 2026-11-27 II.
-DOC_PERSISTENT_KEYS = 65536
+# The longest document (or, where that is not known, the key length) up to which the causal
+# forward with documents at head dim 128 runs on persistent CTAs in the host's balanced tile
+# order (interface.tile_order): documents make short walks, where a persistent producer hides
+# the next tile's loads (32/8 heads, H100: 4k-token documents, the longest 15-16k, 1.03-1.08x at
+# 32k and 128k keys; one 32k document 1.02x), but with documents of 64k+ the CTAs drift apart
+# over their long walks and lose L2 (0.975x at 128k keys). At head dim 64 (192-row tiles,
+# packed heads) it gained nothing (0.99-1.01x). RESULTS, session of 2026-11-27 II.
+DOC_PERSISTENT_KEYS = 32768
 
 
 def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False,
                  seqlen_k: Optional[int] = None, heads_per_kv: int = 1,
-                 rows_per_sm: float = 0.0) -> FwdSm90Config:
+                 rows_per_sm: float = 0.0, longest_document: Optional[int] = None) -> FwdSm90Config:
     """The configuration `forward` uses for these inputs, chosen from side-by-side runs on H100
     and H200 (bench/RESULTS.md, kernel section): three consumer warpgroups (192-row tiles) at
     head dim 64, persistent when not causal; 128-row tiles at 128, with 176-key blocks when not
@@ -154,8 +155,9 @@ def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False
     row per SM). At head dim 64 with GQA (``heads_per_kv`` query heads per kv head), the heads
     of a kv head share each tile's rows where they divide it (pack_gqa: 1.01-1.16x; at head dim
     128 0.98-1.03x, so not there). With documents (``has_docs``) the same tiles, so that one
-    document gives the dense result bit for bit; causal at head dim 128 up to
-    DOC_PERSISTENT_KEYS keys on persistent CTAs in the host's tile order."""
+    document gives the dense result bit for bit; causal at head dim 128 with documents of up
+    to DOC_PERSISTENT_KEYS (``longest_document``; None: up to that many keys) on persistent
+    CTAs in the host's tile order."""
     if head_dim <= 64:
         cfg = FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=192,
                             tile_n=128, lpt=causal, persistent=not causal, has_docs=has_docs)
@@ -165,7 +167,8 @@ def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False
     short = seqlen_k is not None and seqlen_k <= SHORT_KEYS.get((head_dim, causal), 0)
     if short and (not causal or rows_per_sm >= PERSISTENT_CAUSAL_TILES * cfg.tile_m):
         cfg = replace(cfg, tile_n=128, persistent=True)
-    if has_docs and causal and head_dim == 128 and seqlen_k is not None and seqlen_k <= DOC_PERSISTENT_KEYS:
+    walk = longest_document if longest_document is not None else seqlen_k
+    if has_docs and causal and head_dim == 128 and walk is not None and walk <= DOC_PERSISTENT_KEYS:
         cfg = replace(cfg, persistent=True, tile_order=True)
     if head_dim <= 64 and heads_per_kv > 1 and cfg.tile_m % heads_per_kv == 0:
         cfg = replace(cfg, pack_gqa=heads_per_kv)

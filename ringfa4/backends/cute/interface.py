@@ -232,10 +232,11 @@ def tile_order(doc_ids, config, heads, grid):
     return _once(doc_ids, ("tile_order", config, heads, grid), compute)
 
 
-def forward_config(q, k, causal, has_docs=False):
+def forward_config(q, k, causal, doc_ids=None):
     """The forward's kernel configuration for these inputs (configs.fwd_defaults)."""
-    return fwd_defaults(DTYPE_NAMES[q.dtype], q.shape[-1], bool(causal), has_docs, k.shape[1],
-                        q.shape[2] // k.shape[2], q.shape[0] * q.shape[1] * q.shape[2] / _sms(q))
+    return fwd_defaults(DTYPE_NAMES[q.dtype], q.shape[-1], bool(causal), doc_ids is not None, k.shape[1],
+                        q.shape[2] // k.shape[2], q.shape[0] * q.shape[1] * q.shape[2] / _sms(q),
+                        getattr(doc_ids, "longest", None))
 
 
 def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc_ids=None):
@@ -254,7 +255,7 @@ def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc
         return out, lse
     has_docs = doc_ids is not None
     if config is None:
-        config = forward_config(q, k, causal, has_docs)
+        config = forward_config(q, k, causal, doc_ids)
     elif ((config.dtype, config.head_dim, config.causal, config.has_docs)
           != (DTYPE_NAMES[q.dtype], d, causal, has_docs) or config.pack_gqa not in (1, heads_per_kv)):
         raise ValueError(f"config {config.name} does not match dtype={q.dtype}, head_dim={d}, "
