@@ -159,31 +159,37 @@ def test_causal_forward_with_documents_up_to_32k_tokens_runs_persistent_in_the_h
 
 
 @pytest.mark.parametrize("pack", [1, 4])
-def test_forward_tile_order_deals_every_tile_once_and_evens_the_persistent_ctas_key_blocks(pack):
-    """tile_order (host side, plain torch): a permutation of the raster ids over batch rows
-    with different documents, whose static share (CTA c: positions c, c + grid, ...) gives
-    every CTA about the same key blocks; packed heads count kv heads."""
+@pytest.mark.parametrize("docs", [False, True])
+def test_forward_tile_order_deals_every_tile_once_and_evens_the_persistent_ctas_key_blocks(pack, docs):
+    """tile_order (host side, plain torch): a permutation of the raster ids, over batch rows
+    with different documents or causal without, whose static share (CTA c: positions c, c +
+    grid, ...) gives every CTA about the same key blocks; packed heads count kv heads."""
     from dataclasses import replace
 
     from ringfa4.backends.cute.interface import tile_order, visible_keys
 
     gen = torch.Generator().manual_seed(pack)
-    cfg = replace(fwd_defaults("bf16", 64 if pack > 1 else 128, True, True, seqlen_k=4096), pack_gqa=pack)
+    cfg = replace(fwd_defaults("bf16", 64 if pack > 1 else 128, True, docs, seqlen_k=4096), pack_gqa=pack,
+                  persistent=True, tile_order=True)
     tile_pos = cfg.tile_m // pack
     for b, seq, heads, grid in ((1, 8192, 8, 132), (3, 4000, 4, 16), (2, 300, 2, 132)):
-        rows = []
-        for _ in range(b):
-            cuts = torch.randint(1, seq, (int(torch.randint(0, 12, (), generator=gen)),), generator=gen)
-            rows.append(sorted({0, seq, *cuts.tolist()}))
-        ids = torch.stack([_document_ids([e - a for a, e in zip(r, r[1:])])[0] for r in rows])
-        blocks = -(-seq // tile_pos)
-        order = tile_order((ids, ids), cfg, heads, grid)
-        assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(b * heads * blocks))
-        key_lo, key_hi = visible_keys((ids, ids), tile_pos)
         first = torch.arange(0, seq, tile_pos)
         last = (first + tile_pos).clamp(max=seq) - 1
-        n_lo = key_lo[:, first] // cfg.tile_n
-        walk = torch.maximum(-(-torch.minimum(key_hi[:, last], last + 1) // cfg.tile_n), n_lo + 1) - n_lo
+        ids = None
+        if docs:
+            rows = []
+            for _ in range(b):
+                cuts = torch.randint(1, seq, (int(torch.randint(0, 12, (), generator=gen)),), generator=gen)
+                rows.append(sorted({0, seq, *cuts.tolist()}))
+            q_ids = torch.stack([_document_ids([e - a for a, e in zip(r, r[1:])])[0] for r in rows])
+            ids = (q_ids, q_ids)
+            key_lo, key_hi = visible_keys(ids, tile_pos)
+            n_lo = key_lo[:, first] // cfg.tile_n
+            walk = torch.maximum(-(-torch.minimum(key_hi[:, last], last + 1) // cfg.tile_n), n_lo + 1) - n_lo
+        else:
+            walk = (-(-(last + 1) // cfg.tile_n)).expand(b, -1)
+        order = tile_order(cfg, b, seq, seq, heads, grid, torch.device("cpu"), ids)
+        assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(b * heads * len(first)))
         cost = walk.repeat_interleave(heads, dim=0).flatten()[order.long()]
         share = torch.nn.functional.pad(cost, (0, -len(cost) % grid)).view(-1, grid).sum(0).float()
         if len(cost) >= 8 * grid:  # many tiles a CTA: the greedy deal leaves them within 5%

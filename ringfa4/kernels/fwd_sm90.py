@@ -84,7 +84,6 @@ class FwdSm90:
         assert cfg.dtype in ("bf16", "fp16")
         assert cfg.head_dim in (64, 128) and cfg.tile_m % 64 == 0 and cfg.tile_n % 16 == 0
         assert cfg.tile_m % cfg.pack_gqa == 0, "a tile holds whole positions of packed heads"
-        assert cfg.has_docs or not cfg.tile_order, "a host tile order is made from documents"
         self.cfg = cfg
         self.pack = cfg.pack_gqa
         self.tile_pos = cfg.tile_m // cfg.pack_gqa  # query positions per tile

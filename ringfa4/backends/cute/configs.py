@@ -37,8 +37,8 @@ class FwdSm90Config:
     # a document boundary. One variant serves every boundary set.
     has_docs: bool = False
     # The tiles' order from the host (an int32 tile id per position, interface.tile_order)
-    # instead of the kernel's own (lpt or the plain raster): with documents, where a tile's key
-    # blocks depend on its documents, not on its position.
+    # instead of the kernel's own (lpt or the plain raster), dealt so that persistent CTAs get
+    # even work: with documents a tile's key blocks depend on its documents, not its position.
     tile_order: bool = False
 
     @property

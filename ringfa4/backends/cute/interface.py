@@ -6,6 +6,7 @@ once when it chooses the backend, so forward and backward do not check them agai
 them once per step). What they do check is what only direct callers pass: preallocated outputs,
 a forward configuration, a QueryRows of another scale.
 """
+import functools
 import math
 import weakref
 from dataclasses import replace
@@ -178,58 +179,77 @@ def launch_order(doc_ids, causal, tile_m, kv_slots):
     return _once(doc_ids, ("order", causal, tile_m, kv_slots), compute)
 
 
-def tile_order(doc_ids, config, heads, grid):
-    """The forward's tile order with documents (config.tile_order; int32 (tiles,) on the GPU, no
-    host sync): position i runs the tile of raster id order[i] (query block + blocks x (batch x
-    heads + head), as the kernel decodes it). With documents a tile's key blocks (fwd_sm90's
-    doc_blocks) depend on where its rows' documents start, not on its position, so a static
-    share of the kernel's own order (every grid-th tile) leaves persistent CTAs 2-9% apart.
-    Base order: the kernel's LPT order (heads in groups whose K/V fits L2 together, a group's
-    query blocks last first, its heads fastest; within a document its longest walks first). It
-    is cut into windows of 2 x ``grid`` tiles (nearby tiles: nearby K/V in L2), each sorted by
-    key blocks, longest first, and dealt in rounds of ``grid``: a CTA takes one tile per round
-    (positions c, c + grid, ...), the round's longest going to the CTA with the fewest key
-    blocks so far."""
-    def compute():
-        from ringfa4.kernels.tile_scheduler import L2_BUDGET  # the kernel's LPT groups (imports the DSL)
+def _walks(doc_ids, config, batch, seqlen_q, seqlen_k, device):
+    """Key blocks each query block of the forward visits (int64 (batch, blocks)): fwd_sm90's
+    n_blocks, or with documents its doc_blocks."""
+    tile_pos, tile_n = config.tile_m // config.pack_gqa, config.tile_n
+    first = torch.arange(0, seqlen_q, tile_pos, device=device)
+    last = (first + tile_pos).clamp(max=seqlen_q) - 1
+    if doc_ids is None:
+        hi = torch.clamp(last + 1, max=seqlen_k) if config.causal else torch.full_like(last, seqlen_k)
+        return ((hi + tile_n - 1) // tile_n).expand(batch, -1)
+    key_lo, key_hi = visible_keys(doc_ids, tile_pos)
+    lo, hi = key_lo[:, first].long(), key_hi[:, last].long()
+    if config.causal:
+        hi = torch.minimum(hi, last + 1)
+    n_lo = lo.clamp(max=seqlen_k - 1) // tile_n
+    return torch.maximum((hi + tile_n - 1) // tile_n, n_lo + 1) - n_lo
 
-        key_lo, key_hi = visible_keys(doc_ids, config.tile_m // config.pack_gqa)
-        b, sq = key_lo.shape
-        sk = doc_ids[1].shape[1]
-        tile_pos, tile_n = config.tile_m // config.pack_gqa, config.tile_n
-        first = torch.arange(0, sq, tile_pos, device=key_lo.device)
-        last = (first + tile_pos).clamp(max=sq) - 1
-        lo, hi = key_lo[:, first].long(), key_hi[:, last].long()
-        if config.causal:
-            hi = torch.minimum(hi, last + 1)
-        n_lo = lo.clamp(max=sk - 1) // tile_n
-        walk = torch.maximum((hi + tile_n - 1) // tile_n, n_lo + 1) - n_lo  # (b, blocks)
-        blocks, bh = walk.shape[1], b * heads
-        kv_bytes = sk * config.head_dim * 2 * 2  # a head's K and V, 16-bit
-        group = max(1, min(bh, L2_BUDGET // kv_bytes))
-        raster = torch.arange(bh * blocks, device=walk.device).view(bh, blocks).flip(1)  # query blocks last first
-        length = walk.flip(1).repeat_interleave(heads, dim=0)
-        pad_bh = -bh % group  # the last group may be short: its rows of -1 are dropped below
-        raster, length = (torch.nn.functional.pad(t, (0, 0, 0, pad_bh), value=-1)
-                          .view(-1, group, blocks).transpose(1, 2).flatten() for t in (raster, length))
-        keep = raster >= 0
-        raster, length = raster[keep], length[keep]
-        n = raster.numel()
-        pad = -n % (2 * grid)
-        length = torch.nn.functional.pad(length, (0, pad), value=-1).view(-1, 2 * grid)
-        raster = torch.nn.functional.pad(raster, (0, pad), value=-1).view(-1, 2 * grid)
-        ranked = torch.argsort(length, dim=1, descending=True, stable=True)
-        length, raster = (torch.gather(t, 1, ranked).view(-1, grid) for t in (length, raster))
-        order = torch.empty_like(raster)
-        load = torch.zeros(grid, dtype=torch.long, device=walk.device)
-        rounds = -(-n // grid)
-        for r in range(rounds):
-            ctas = grid if r + 1 < rounds else n - r * grid  # the last round: positions c < its tiles only
-            least = torch.argsort(load[:ctas])
-            order[r, least] = raster[r, :ctas]
-            load[least] += length[r, :ctas]
-        return order.flatten()[:n].int()
-    return _once(doc_ids, ("tile_order", config, heads, grid), compute)
+
+def _dealt(walk, config, heads, seqlen_k, grid):
+    """tile_order's order of tiles whose query blocks visit ``walk`` key blocks."""
+    from ringfa4.kernels.tile_scheduler import L2_BUDGET  # the kernel's LPT groups (imports the DSL)
+
+    blocks, bh = walk.shape[1], walk.shape[0] * heads
+    kv_bytes = seqlen_k * config.head_dim * 2 * 2  # a head's K and V, 16-bit
+    group = max(1, min(bh, L2_BUDGET // kv_bytes))
+    raster = torch.arange(bh * blocks, device=walk.device).view(bh, blocks).flip(1)  # query blocks last first
+    length = walk.flip(1).repeat_interleave(heads, dim=0)
+    pad_bh = -bh % group  # the last group may be short: its rows of -1 are dropped below
+    raster, length = (torch.nn.functional.pad(t, (0, 0, 0, pad_bh), value=-1)
+                      .view(-1, group, blocks).transpose(1, 2).flatten() for t in (raster, length))
+    keep = raster >= 0
+    raster, length = raster[keep], length[keep]
+    n = raster.numel()
+    pad = -n % (2 * grid)
+    length = torch.nn.functional.pad(length, (0, pad), value=-1).view(-1, 2 * grid)
+    raster = torch.nn.functional.pad(raster, (0, pad), value=-1).view(-1, 2 * grid)
+    ranked = torch.argsort(length, dim=1, descending=True, stable=True)
+    length, raster = (torch.gather(t, 1, ranked).view(-1, grid) for t in (length, raster))
+    order = torch.empty_like(raster)
+    load = torch.zeros(grid, dtype=torch.long, device=walk.device)
+    rounds = -(-n // grid)
+    for r in range(rounds):
+        ctas = grid if r + 1 < rounds else n - r * grid  # the last round: positions c < its tiles only
+        least = torch.argsort(load[:ctas])
+        order[r, least] = raster[r, :ctas]
+        load[least] += length[r, :ctas]
+    return order.flatten()[:n].int()
+
+
+@functools.lru_cache(maxsize=32)
+def _dense_order(config, batch, seqlen_q, seqlen_k, heads, grid, device):
+    return _dealt(_walks(None, config, batch, seqlen_q, seqlen_k, device), config, heads, seqlen_k, grid)
+
+
+def tile_order(config, batch, seqlen_q, seqlen_k, heads, grid, device, doc_ids=None):
+    """The forward's tile order for persistent CTAs (config.tile_order; int32 (tiles,) on the
+    GPU, no host sync): position i runs the tile of raster id order[i] (query block + blocks x
+    (batch x heads + head), as the kernel decodes it). A static share of the kernel's own order
+    (CTA c: every grid-th tile from c) is even only where neighbouring tiles walk alike; with
+    documents a tile's key blocks depend on where its rows' documents start, not on its
+    position, and that share leaves persistent CTAs 2-9% apart. Base order: the kernel's LPT
+    order (heads in groups whose K/V fits L2 together, a group's query blocks last first, its
+    heads fastest; within a document its longest walks first). It is cut into windows of 2 x
+    ``grid`` tiles (nearby tiles: nearby K/V in L2), each sorted by key blocks, longest first,
+    and dealt in rounds of ``grid``: a CTA takes one tile per round (positions c, c + grid, ...),
+    the round's longest going to the CTA with the fewest key blocks so far. Made once per ids
+    object with documents, once per shape without."""
+    if doc_ids is None:
+        return _dense_order(config, batch, seqlen_q, seqlen_k, heads, grid, device)
+    return _once(doc_ids, ("tile_order", config, heads, grid),
+                 lambda: _dealt(_walks(doc_ids, config, batch, seqlen_q, seqlen_k, device), config, heads,
+                                seqlen_k, grid))
 
 
 def forward_config(q, k, causal, doc_ids=None):
@@ -267,7 +287,8 @@ def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc
     if config.tile_order:
         tiles = q.shape[0] * (q.shape[2] // config.pack_gqa) * -(-q.shape[1] * config.pack_gqa // config.tile_m)
         grid = min(tiles, _sms(q)) if config.persistent else tiles
-        order = tile_order(doc_ids, config, q.shape[2] // config.pack_gqa, grid)
+        order = tile_order(config, q.shape[0], q.shape[1], k.shape[1], q.shape[2] // config.pack_gqa, grid, q.device,
+                           doc_ids)
     compiled(config)(q.detach(), k.detach(), v.detach(), out.detach(), lse, key_lo, key_hi, order,
                      _scale(softmax_scale, d), _sms(q))
     return out, lse
