@@ -2,9 +2,10 @@
 
 The forward's work tiles are (query block, head, batch); a CTA takes tile blockIdx.x, then
 (persistent) every grid-size-th one, in the raster order (query blocks fastest), LPT's, or one
-the host gives. With LPT ("longest processing time first", for causal),
-heads are taken in groups whose K and V fit in L2 together, and within a group the query blocks
-run last-first: the longest causal tiles start first and the short ones fill the tail.
+the host gives (ringfa4.backends.cute.interface.tile_order). With LPT ("longest processing time
+first", for causal), heads are taken in groups whose K and V fit in L2 together, and within a
+group the query blocks run last-first: the longest causal tiles start first and the short ones
+fill the tail.
 
 The backward's CTA owns one KV block and walks (query head of its kv head's group, query block)
 pairs, query blocks fastest; a rotated walk starts each head at a query block of its own.
