@@ -213,15 +213,8 @@ def test_persistent_ctas_in_the_hosts_tile_order_compute_every_causal_tile_once(
     q, k, v = _inputs(3, 1111, 1111, 8, 2, d, torch.bfloat16, seed)
     out, lse = _poisoned(q)
     config = fwd_variant("bf16", d, True, persistent=True, tile_order=True, tile_n=128)
-    cute_backend.interface.forward(q, k, v, True, None, out=out, lse=lse, config=config)
-    ref_out, ref_lse = torch_ref.forward(*(t.double() for t in (q, k, v)), True, d ** -0.5)
-    pt_out, pt_lse = _lowp_reference(q, k, v, True, d ** -0.5)
-    for name, got, pt, ref in (("out", out, pt_out, ref_out), ("lse", lse, pt_lse, ref_lse)):
-        err = (got.double() - ref).abs().max().item()
-        bound = 2 * (pt.double() - ref).abs().max().item() + ATOL
-        assert err <= bound, f"{name}: {err:.3e} > {bound:.3e} (seed={seed})"
-    launch = cute_backend.interface.forward(q, k, v, True, None,
-                                            config=fwd_variant("bf16", d, True, tile_n=128))
+    _check(q, k, v, True, None, seed, out=out, lse=lse, config=config)
+    launch = cute_backend.forward(q, k, v, True, None, config=fwd_variant("bf16", d, True, tile_n=128))
     assert torch.equal(out, launch[0]) and torch.equal(lse, launch[1])
 
 

@@ -285,10 +285,10 @@ def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc
                       else (None, None))
     order = None
     if config.tile_order:
-        tiles = q.shape[0] * (q.shape[2] // config.pack_gqa) * -(-q.shape[1] * config.pack_gqa // config.tile_m)
+        heads = q.shape[2] // config.pack_gqa  # the kernel's: kv heads when packed
+        tiles = q.shape[0] * heads * -(-q.shape[1] * config.pack_gqa // config.tile_m)
         grid = min(tiles, _sms(q)) if config.persistent else tiles
-        order = tile_order(config, q.shape[0], q.shape[1], k.shape[1], q.shape[2] // config.pack_gqa, grid, q.device,
-                           doc_ids)
+        order = tile_order(config, q.shape[0], q.shape[1], k.shape[1], heads, grid, q.device, doc_ids)
     compiled(config)(q.detach(), k.detach(), v.detach(), out.detach(), lse, key_lo, key_hi, order,
                      _scale(softmax_scale, d), _sms(q))
     return out, lse
