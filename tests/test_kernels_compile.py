@@ -33,12 +33,13 @@ def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_shipped_variants(tmp_path):
     )
     assert run.returncode == 0, run.stdout + run.stderr
     chosen = [v for v in VARIANTS if re.search(SUBSET, v.name)]
-    # 2 dtypes x 2 head dims x causal or not, long and (d128 both, d64 causal) short tiles, d64
+    # 2 dtypes x 2 head dims x causal or not, long and (causal, d128 not causal) short walks, d64
     # also packed GQA
     assert sum(v.name.startswith("fwd_") for v in chosen) == 40
     assert sum(v.name.startswith("fwd_") and "_docs" in v.name for v in chosen) == 20
-    # d128 causal with documents, short and up to 64k keys: persistent in the host's order (bf16, fp16)
-    assert sum(v.name.startswith("fwd_") and v.name.endswith("_docs_order") for v in chosen) == 2
+    # causal short walks: persistent in the host's order (d128; d64 unpacked and packed)
+    assert sum(v.name.startswith("fwd_") and v.name.endswith("_order") for v in chosen) == 12
+    assert sum(v.name.startswith("fwd_") and v.name.endswith("_docs_order") for v in chosen) == 6
     assert sum(v.name.startswith("fwd_") and "_gqa4" in v.name for v in chosen) == 12
     # d64 and d128 x causal or not, without and with documents; 2 deterministic (one 80-row)
     assert sum(v.name.startswith("bwd_") for v in chosen) == 10
@@ -131,31 +132,32 @@ def test_forward_packs_the_query_heads_of_a_kv_head_at_head_dim_64_where_they_di
     assert fwd_defaults("bf16", 128, True, heads_per_kv=4).pack_gqa == 1
 
 
+def test_short_non_causal_forward_at_hdim_128_runs_persistent_ctas_with_128_key_blocks():
+    cfg = fwd_defaults("bf16", 128, False, seqlen_k=4096)
+    assert cfg.persistent and cfg.tile_n == 128 and not cfg.tile_order
+    cfg = fwd_defaults("bf16", 128, False, seqlen_k=4097)
+    assert not cfg.persistent and cfg.tile_n == 176
+    assert fwd_defaults("bf16", 64, False).persistent  # 192-row tiles: persistent at any length
+
+
+@pytest.mark.parametrize("docs", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
-def test_short_causal_forward_runs_persistent_ctas_only_with_many_tiles_per_sm(d):
-    tile_m = fwd_defaults("bf16", d, True).tile_m
-    many, few = 20 * tile_m, 19 * tile_m  # query rows per SM
-    assert fwd_defaults("bf16", d, True, seqlen_k=2048, rows_per_sm=many).persistent
-    assert not fwd_defaults("bf16", d, True, seqlen_k=2048, rows_per_sm=few).persistent
-    assert not fwd_defaults("bf16", d, True, seqlen_k=8192, rows_per_sm=many).persistent
-    assert fwd_defaults("bf16", d, False, seqlen_k=2048).persistent  # equal tiles share evenly
-
-
-def test_causal_forward_with_documents_up_to_32k_tokens_runs_persistent_in_the_hosts_tile_order_at_hdim_128():
-    from ringfa4.backends.cute.configs import DOC_PERSISTENT_KEYS
+def test_causal_forward_with_short_walks_runs_persistent_in_the_hosts_tile_order(d, docs):
+    """Walks up to ORDER_KEYS[d] keys: the longest document where the ids carry it, else the
+    key length; past it, or with neither known, the launch-order LPT grid."""
+    from ringfa4.backends.cute.configs import ORDER_KEYS
 
     def order(**kw):
-        cfg = fwd_defaults("bf16", kw.pop("d", 128), kw.pop("causal", True), kw.pop("docs", True), **kw)
+        cfg = fwd_defaults("bf16", d, kw.pop("causal", True), docs, **kw)
         assert cfg.persistent == cfg.tile_order or not cfg.tile_order
         return cfg.tile_order
 
-    assert order(seqlen_k=1) and order(seqlen_k=DOC_PERSISTENT_KEYS)  # the longest document not known
-    assert order(seqlen_k=131072, longest_document=16000)
-    assert order(seqlen_k=131072, longest_document=DOC_PERSISTENT_KEYS)
-    assert not order(seqlen_k=131072, longest_document=DOC_PERSISTENT_KEYS + 1)
-    assert not order(seqlen_k=2 * DOC_PERSISTENT_KEYS) and not order()
-    assert not order(docs=False, seqlen_k=1024) and not order(causal=False, seqlen_k=4096)
-    assert not order(d=64, seqlen_k=4096)
+    bound = ORDER_KEYS[d]
+    assert order(seqlen_k=1) and order(seqlen_k=bound)
+    assert not order(seqlen_k=bound + 1) and not order()
+    assert order(seqlen_k=4 * bound, longest_document=bound)
+    assert not order(seqlen_k=bound, longest_document=bound + 1)
+    assert not order(causal=False, seqlen_k=1024)
 
 
 @pytest.mark.parametrize("pack", [1, 4])

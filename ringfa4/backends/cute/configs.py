@@ -4,7 +4,6 @@ A configuration holds every compile-time value of one kernel (the compile cache 
 it) and names it; ringfa4.backends.cute.compile turns it into a kernel. Plain data: importing
 this module needs no nvidia-cutlass-dsl.
 """
-import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -123,52 +122,47 @@ class MergeConfig:
         return f"merge_{self.out_dtype}_{self.part_dtype}_d{self.head_dim}"
 
 
-# Key lengths up to which persistent CTAs with 128-key blocks win (bench/RESULTS.md, "Short
-# forward tiles" and "Pack-GQA and persistent causal forward tiles"): with few key blocks per
-# tile, a CTA's Q load and first K wait are what a persistent producer hides behind the last
-# tile's softmax. Not causal at head dim 128 (176-key blocks leave a ragged last block and too
-# few tiles to fill the GPU), causal at both head dims where each SM gets at least
-# PERSISTENT_CAUSAL_TILES tiles: persistent CTAs take every grid-size-th tile, and with fewer,
-# unequal causal tiles that static share ends unevenly (a ring step of one sequence: 0.89-0.96x
-# the launch-order LPT grid, whose CTAs start wherever an SM frees).
-SHORT_KEYS = {(128, False): 4096, (64, True): 2048, (128, True): 4096}
-PERSISTENT_CAUSAL_TILES = 20
-# The longest document (or, where that is not known, the key length) up to which the causal
-# forward with documents at head dim 128 runs on persistent CTAs in the host's balanced tile
-# order (interface.tile_order): documents make short walks, where a persistent producer hides
-# the next tile's loads (32/8 heads, H100: 4k-token documents, the longest 15-16k, 1.03-1.08x at
-# 32k and 128k keys; one 32k document 1.02x), but with documents of 64k+ the CTAs drift apart
-# over their long walks and lose L2 (0.975x at 128k keys). At head dim 64 (192-row tiles,
-# packed heads) it gained nothing (0.99-1.01x). RESULTS, session of 2026-11-27 II.
-DOC_PERSISTENT_KEYS = 32768
+# Key lengths up to which the non-causal forward at head dim 128 runs persistent CTAs with
+# 128-key blocks (bench/RESULTS.md, "Short forward tiles"): with few key blocks per tile, a CTA's
+# Q load and first K wait are what a persistent producer hides behind the last tile's softmax.
+# (176-key blocks leave a ragged last block and too few tiles to fill the GPU.)
+SHORT_KEYS = {128: 4096}
+# The longest causal walk (the longest document, or where that is not known the key length), by
+# head dim, up to which the causal forward runs persistent CTAs in the host's balanced tile order
+# (interface.tile_order): short walks are where a persistent producer hides the next tile's
+# loads, and the host's deal evens the unequal causal tiles that a static share of the kernel's
+# LPT order left uneven (a ring step of one sequence ran 0.89-0.96x the launch-order grid that
+# way). H100, one process (bench/RESULTS.md, sessions of 2026-11-27 II and III), over the
+# launch-order LPT grid: dense causal 1.01-1.06x at 4k-16k keys, ring-step squares of 2k / 4k
+# 1.10 / 1.14x, 32k keys 1.00x; documents of 4k tokens 1.03-1.08x. Past the bound the CTAs drift
+# apart over long walks and lose L2 (documents of 64k+: 0.975x); at head dim 64 (192-row tiles)
+# the gain ends sooner (16k-32k keys: 0.98-1.00x).
+ORDER_KEYS = {64: 8192, 128: 32768}
 
 
 def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False,
                  seqlen_k: Optional[int] = None, heads_per_kv: int = 1,
-                 rows_per_sm: float = 0.0, longest_document: Optional[int] = None) -> FwdSm90Config:
+                 longest_document: Optional[int] = None) -> FwdSm90Config:
     """The configuration `forward` uses for these inputs, chosen from side-by-side runs on H100
     and H200 (bench/RESULTS.md, kernel section): three consumer warpgroups (192-row tiles) at
     head dim 64, persistent when not causal; 128-row tiles at 128, with 176-key blocks when not
-    causal (fewer, longer softmax/rescale steps); LPT order when causal. Up to SHORT_KEYS keys
-    (``seqlen_k``; None: longer), persistent with 128-key blocks, causal only from
-    PERSISTENT_CAUSAL_TILES tiles per SM (``rows_per_sm``: query rows of every head and batch
-    row per SM). At head dim 64 with GQA (``heads_per_kv`` query heads per kv head), the heads
+    causal (fewer, longer softmax/rescale steps); LPT order when causal. Not causal, up to
+    SHORT_KEYS keys (``seqlen_k``; None: longer), persistent with 128-key blocks; causal, with
+    walks of up to ORDER_KEYS (the longest document, ``longest_document``, else ``seqlen_k``),
+    persistent in the host's tile order. At head dim 64 with GQA (``heads_per_kv`` query heads per kv head), the heads
     of a kv head share each tile's rows where they divide it (pack_gqa: 1.01-1.16x; at head dim
     128 0.98-1.03x, so not there). With documents (``has_docs``) the same tiles, so that one
-    document gives the dense result bit for bit; causal at head dim 128 with documents of up
-    to DOC_PERSISTENT_KEYS (``longest_document``; None: up to that many keys) on persistent
-    CTAs in the host's tile order."""
+    document gives the dense result bit for bit."""
     if head_dim <= 64:
         cfg = FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=192,
                             tile_n=128, lpt=causal, persistent=not causal, has_docs=has_docs)
     else:
         cfg = FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=128,
                             tile_n=128 if causal else 176, lpt=causal, has_docs=has_docs)
-    short = seqlen_k is not None and seqlen_k <= SHORT_KEYS.get((head_dim, causal), 0)
-    if short and (not causal or rows_per_sm >= PERSISTENT_CAUSAL_TILES * cfg.tile_m):
+    if not causal and seqlen_k is not None and seqlen_k <= SHORT_KEYS.get(head_dim, 0):
         cfg = replace(cfg, tile_n=128, persistent=True)
     walk = longest_document if longest_document is not None else seqlen_k
-    if has_docs and causal and head_dim == 128 and walk is not None and walk <= DOC_PERSISTENT_KEYS:
+    if causal and walk is not None and walk <= ORDER_KEYS[head_dim]:
         cfg = replace(cfg, persistent=True, tile_order=True)
     if head_dim <= 64 and heads_per_kv > 1 and cfg.tile_m % heads_per_kv == 0:
         cfg = replace(cfg, pack_gqa=heads_per_kv)
@@ -216,9 +210,9 @@ def fwd_variant(dtype: str, head_dim: int, causal: bool, **overrides) -> FwdSm90
 _DTYPES = ("bf16", "fp16")
 _HEAD_DIMS = (64, 128)
 VARIANTS = (
-    [fwd_defaults(dt, d, c, docs, seqlen_k, heads_per_kv, rows_per_sm=math.inf)
+    [fwd_defaults(dt, d, c, docs, seqlen_k, heads_per_kv)
      for docs in (False, True) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)
-     for seqlen_k in ((None, 1) if (d, c) in SHORT_KEYS else (None,))
+     for seqlen_k in ((None, 1) if c or d in SHORT_KEYS else (None,))
      for heads_per_kv in ((1, 4) if d == 64 else (1,))]
     + [BwdPreprocessConfig(dt, d) for dt in _DTYPES for d in _HEAD_DIMS]
     + [DqPostprocessConfig(dt, d, m, add)

@@ -255,8 +255,7 @@ def tile_order(config, batch, seqlen_q, seqlen_k, heads, grid, device, doc_ids=N
 def forward_config(q, k, causal, doc_ids=None):
     """The forward's kernel configuration for these inputs (configs.fwd_defaults)."""
     return fwd_defaults(DTYPE_NAMES[q.dtype], q.shape[-1], bool(causal), doc_ids is not None, k.shape[1],
-                        q.shape[2] // k.shape[2], q.shape[0] * q.shape[1] * q.shape[2] / _sms(q),
-                        getattr(doc_ids, "longest", None))
+                        q.shape[2] // k.shape[2], getattr(doc_ids, "longest", None))
 
 
 def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc_ids=None):
