@@ -133,10 +133,10 @@ SHORT_KEYS = {128: 4096}
 # loads, and the host's deal evens the unequal causal tiles that a static share of the kernel's
 # LPT order left uneven (a ring step of one sequence ran 0.89-0.96x the launch-order grid that
 # way). H100, one process (bench/RESULTS.md, sessions of 2026-11-27 II and III), over the
-# launch-order LPT grid: dense causal 1.01-1.06x at 4k-16k keys, ring-step squares of 2k / 4k
-# 1.10 / 1.14x, 32k keys 1.00x; documents of 4k tokens 1.03-1.08x. Past the bound the CTAs drift
-# apart over long walks and lose L2 (documents of 64k+: 0.975x); at head dim 64 (192-row tiles)
-# the gain ends sooner (16k-32k keys: 0.98-1.00x).
+# launch-order LPT grid: dense causal 1.02-1.06x at 4k-16k keys (hdim 128) and 1.02-1.08x at 4k-8k
+# (hdim 64), ring-step squares of 2k / 4k 1.10 / 1.14x, 32k keys 1.00x; documents of 4k tokens
+# 1.03-1.08x. Past the bound the CTAs drift apart over long walks and lose L2 (documents of 64k+:
+# 0.975x); at head dim 64 (192-row tiles) the gain ends sooner (16k-32k keys: 0.98-1.00x).
 ORDER_KEYS = {64: 8192, 128: 32768}
 
 
