@@ -18,6 +18,7 @@ pytestmark = pytest.mark.gpu
 if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
     import ringfa4.backends.cute as cute_backend
     from ringfa4.backends.cute import compile as kc
+    from ringfa4.backends.cute import interface
     from ringfa4.backends.cute.configs import fwd_variant
 else:
     pytestmark = [pytest.mark.gpu, pytest.mark.skip(reason="needs a Hopper (sm_90) GPU")]
@@ -206,9 +207,9 @@ def test_persistent_ctas_running_many_tiles_each(d, causal):
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_persistent_ctas_in_the_hosts_tile_order_compute_every_causal_tile_once(d):
-    """Causal, no documents, persistent CTAs dealt tiles in interface.tile_order (a switch
-    for benchmarks; documents use it by default), several rounds of tiles per CTA: against fp64
-    and bit for bit the launch-order kernel's."""
+    """Causal, no documents, persistent CTAs dealt tiles in interface.tile_order (the default
+    for short walks), several rounds of tiles per CTA: against fp64 and bit for bit the
+    launch-order kernel's."""
     seed = _fresh_seed()
     q, k, v = _inputs(3, 1111, 1111, 8, 2, d, torch.bfloat16, seed)
     out, lse = _poisoned(q)
@@ -216,6 +217,32 @@ def test_persistent_ctas_in_the_hosts_tile_order_compute_every_causal_tile_once(
     _check(q, k, v, True, None, seed, out=out, lse=lse, config=config)
     launch = cute_backend.forward(q, k, v, True, None, config=fwd_variant("bf16", d, True, tile_n=128))
     assert torch.equal(out, launch[0]) and torch.equal(lse, launch[1])
+
+
+def test_a_causal_forward_captured_before_its_tile_order_exists_runs_the_launch_order(monkeypatch):
+    """Making a shape's host tile order reads sizes back from the GPU, which CUDA graph capture
+    forbids: a forward first met under capture runs the launch order instead (the same bits),
+    and an eager call after it makes and keeps the order. Replayed and eager give the
+    launch-order kernel's bits."""
+    from dataclasses import replace
+
+    seed = _fresh_seed()
+    q, k, v = _inputs(2, 1500, 1500, 8, 2, 128, torch.bfloat16, seed)
+    config = interface.forward_config(q, k, True)
+    assert config.tile_order
+    launch = cute_backend.forward(q, k, v, True, None, config=replace(config, persistent=False, tile_order=False))
+    cute_backend.forward(*_inputs(1, 200, 200, 8, 2, 128, torch.bfloat16, seed), True, None)  # compiled eagerly
+    monkeypatch.setattr(interface, "_dense_orders", {})
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = cute_backend.forward(q, k, v, True, None)
+    assert not interface._dense_orders
+    eager = cute_backend.forward(q, k, v, True, None)
+    assert len(interface._dense_orders) == 1
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, (out, lse) in (("eager", eager), ("replayed", captured)):
+        assert torch.equal(out, launch[0]) and torch.equal(lse, launch[1]), name
 
 
 def test_new_sequence_lengths_reuse_the_compiled_kernel():

@@ -6,7 +6,6 @@ once when it chooses the backend, so forward and backward do not check them agai
 them once per step). What they do check is what only direct callers pass: preallocated outputs,
 a forward configuration, a QueryRows of another scale.
 """
-import functools
 import math
 import weakref
 from dataclasses import replace
@@ -110,15 +109,29 @@ _derived = WeakIdKeyDictionary()  # q_ids -> {(what, k_ids' id, ...): (weakref t
 def _once(doc_ids, what, compute):
     """compute() for these doc_ids and ``what``, once while both id tensors live: a ring passes
     the same ids objects to every layer's step and its backward (ringfa4.ring.documents), so the
-    ranges a step's kernels read are derived once, not per call (ids are never written)."""
-    q_ids, k_ids = doc_ids
-    known = _derived.setdefault(q_ids, {})
-    key = (what, id(k_ids))
-    if key in known and known[key][0]() is k_ids:
-        return known[key][1]
-    value = compute()
-    known[key] = (weakref.ref(k_ids), value)
+    ranges a step's kernels read are derived once, not per call (ids are never written). Not
+    kept when computed under CUDA graph capture (_capturing)."""
+    value = _cached(doc_ids, what)
+    if value is None:
+        value = compute()
+        if not _capturing(doc_ids[0].device):
+            q_ids, k_ids = doc_ids
+            _derived.setdefault(q_ids, {})[(what, id(k_ids))] = (weakref.ref(k_ids), value)
     return value
+
+
+def _cached(doc_ids, what):
+    """What _once keeps for these doc_ids and ``what``, or None."""
+    q_ids, k_ids = doc_ids
+    entry = _derived.get(q_ids, {}).get((what, id(k_ids)))
+    return entry[1] if entry is not None and entry[0]() is k_ids else None
+
+
+def _capturing(device):
+    """Whether ``device``'s current stream is being captured into a CUDA graph. What is computed
+    then is computed by the graph's kernels, at each replay: its values do not exist before the
+    first replay, so an eager call must not find it cached."""
+    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def visible_keys(doc_ids, tile_m):
@@ -227,9 +240,9 @@ def _dealt(walk, config, heads, seqlen_k, grid):
     return order.flatten()[:n].int()
 
 
-@functools.lru_cache(maxsize=32)
-def _dense_order(config, batch, seqlen_q, seqlen_k, heads, grid, device):
-    return _dealt(_walks(None, config, batch, seqlen_q, seqlen_k, device), config, heads, seqlen_k, grid)
+# Orders without documents, by shape, never evicted: a CUDA graph captured with one reads its
+# memory at every replay. A few KB each.
+_dense_orders = {}
 
 
 def tile_order(config, batch, seqlen_q, seqlen_k, heads, grid, device, doc_ids=None):
@@ -244,12 +257,20 @@ def tile_order(config, batch, seqlen_q, seqlen_k, heads, grid, device, doc_ids=N
     ``grid`` tiles (nearby tiles: nearby K/V in L2), each sorted by key blocks, longest first,
     and dealt in rounds of ``grid``: a CTA takes one tile per round (positions c, c + grid, ...),
     the round's longest going to the CTA with the fewest key blocks so far. Made once per ids
-    object with documents, once per shape without."""
-    if doc_ids is None:
-        return _dense_order(config, batch, seqlen_q, seqlen_k, heads, grid, device)
-    return _once(doc_ids, ("tile_order", config, heads, grid),
-                 lambda: _dealt(_walks(doc_ids, config, batch, seqlen_q, seqlen_k, device), config, heads,
-                                seqlen_k, grid))
+    object with documents, once per shape without. None where it is not made yet and the stream
+    is being captured into a CUDA graph (making it reads sizes back from the GPU, which capture
+    forbids): the caller then runs the launch order, which gives the same bits."""
+    what = ("tile_order", config, heads, grid)
+    key = (config, batch, seqlen_q, seqlen_k, heads, grid, device)
+    if _capturing(device):
+        return _dense_orders.get(key) if doc_ids is None else _cached(doc_ids, what)
+    make = lambda: _dealt(_walks(doc_ids, config, batch, seqlen_q, seqlen_k, device),  # noqa: E731
+                          config, heads, seqlen_k, grid)
+    if doc_ids is not None:
+        return _once(doc_ids, what, make)
+    if key not in _dense_orders:
+        _dense_orders[key] = make()
+    return _dense_orders[key]
 
 
 def forward_config(q, k, causal, doc_ids=None):
@@ -288,6 +309,8 @@ def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc
         tiles = q.shape[0] * heads * -(-q.shape[1] * config.pack_gqa // config.tile_m)
         grid = min(tiles, _sms(q)) if config.persistent else tiles
         order = tile_order(config, q.shape[0], q.shape[1], k.shape[1], heads, grid, q.device, doc_ids)
+        if order is None:
+            config = replace(config, persistent=False, tile_order=False)
     compiled(config)(q.detach(), k.detach(), v.detach(), out.detach(), lse, key_lo, key_hi, order,
                      _scale(softmax_scale, d), _sms(q))
     return out, lse
