@@ -198,6 +198,27 @@ def test_forward_tile_order_deals_every_tile_once_and_evens_the_persistent_ctas_
             assert share.max() <= 1.05 * share.mean(), (b, seq, share.max() / share.mean())
 
 
+def test_forward_tile_orders_without_documents_are_kept_for_the_most_recent_shapes(monkeypatch):
+    """One order per shape, made once while it is among the DENSE_ORDERS shapes used last (a
+    training run whose sequence lengths vary must not keep one per length for good)."""
+    import collections
+    from dataclasses import replace
+
+    from ringfa4.backends.cute import interface
+
+    monkeypatch.setattr(interface, "_dense_orders", collections.OrderedDict())
+    cfg = replace(fwd_defaults("bf16", 128, True, seqlen_k=4096), persistent=True, tile_order=True)
+    cpu = torch.device("cpu")
+    first = interface.tile_order(cfg, 1, 256, 256, 2, 4, cpu)
+    assert interface.tile_order(cfg, 1, 256, 256, 2, 4, cpu) is first
+    for seq in range(257, 257 + interface.DENSE_ORDERS - 1):
+        interface.tile_order(cfg, 1, seq, seq, 2, 4, cpu)
+    assert interface.tile_order(cfg, 1, 256, 256, 2, 4, cpu) is first  # used last: kept
+    interface.tile_order(cfg, 1, 1000, 1000, 2, 4, cpu)
+    assert len(interface._dense_orders) == interface.DENSE_ORDERS
+    assert (cfg, 1, 257, 257, 2, 4, cpu) not in interface._dense_orders  # the least recent went
+
+
 def _document_ids(lengths):
     return torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32),
                                    torch.tensor(lengths))[None]

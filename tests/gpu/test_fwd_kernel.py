@@ -5,6 +5,7 @@ lse: 2x the error of PyTorch doing the same computation in the input precision (
 matmuls, fp32 softmax) against the fp64 reference, plus 1e-4 absolute. Outputs given to the
 kernel are poisoned with NaN first, so anything it does not write fails.
 """
+import collections
 import math
 import random
 
@@ -222,8 +223,8 @@ def test_persistent_ctas_in_the_hosts_tile_order_compute_every_causal_tile_once(
 def test_a_causal_forward_captured_before_its_tile_order_exists_runs_the_launch_order(monkeypatch):
     """Making a shape's host tile order reads sizes back from the GPU, which CUDA graph capture
     forbids: a forward first met under capture runs the launch order instead (the same bits),
-    and an eager call after it makes and keeps the order. Replayed and eager give the
-    launch-order kernel's bits."""
+    and an eager call after it makes and keeps the order; a graph captured then runs in that
+    order, which is held for the graph's sake. All give the launch-order kernel's bits."""
     from dataclasses import replace
 
     seed = _fresh_seed()
@@ -232,16 +233,21 @@ def test_a_causal_forward_captured_before_its_tile_order_exists_runs_the_launch_
     assert config.tile_order
     launch = cute_backend.forward(q, k, v, True, None, config=replace(config, persistent=False, tile_order=False))
     cute_backend.forward(*_inputs(1, 200, 200, 8, 2, 128, torch.bfloat16, seed), True, None)  # compiled eagerly
-    monkeypatch.setattr(interface, "_dense_orders", {})
+    monkeypatch.setattr(interface, "_dense_orders", collections.OrderedDict())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = cute_backend.forward(q, k, v, True, None)
     assert not interface._dense_orders
     eager = cute_backend.forward(q, k, v, True, None)
-    assert len(interface._dense_orders) == 1
+    (order,) = interface._dense_orders.values()
     graph.replay()
+    ordered = torch.cuda.CUDAGraph()  # now the order exists: captured with it, and held for good
+    with torch.cuda.graph(ordered):
+        captured_ordered = cute_backend.forward(q, k, v, True, None)
+    assert any(held is order for held in interface._graph_held)
+    ordered.replay()
     torch.cuda.synchronize()
-    for name, (out, lse) in (("eager", eager), ("replayed", captured)):
+    for name, (out, lse) in (("eager", eager), ("replayed", captured), ("replayed in order", captured_ordered)):
         assert torch.equal(out, launch[0]) and torch.equal(lse, launch[1]), name
 
 

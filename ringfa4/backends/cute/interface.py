@@ -6,6 +6,7 @@ once when it chooses the backend, so forward and backward do not check them agai
 them once per step). What they do check is what only direct callers pass: preallocated outputs,
 a forward configuration, a QueryRows of another scale.
 """
+import collections
 import math
 import weakref
 from dataclasses import replace
@@ -109,14 +110,17 @@ _derived = WeakIdKeyDictionary()  # q_ids -> {(what, k_ids' id, ...): (weakref t
 def _once(doc_ids, what, compute):
     """compute() for these doc_ids and ``what``, once while both id tensors live: a ring passes
     the same ids objects to every layer's step and its backward (ringfa4.ring.documents), so the
-    ranges a step's kernels read are derived once, not per call (ids are never written). Not
-    kept when computed under CUDA graph capture (_capturing)."""
+    ranges a step's kernels read are derived once, not per call (ids are never written). Under
+    CUDA graph capture (_capturing) a value made before is held for the graph (_held), and one
+    made now is not kept."""
+    capturing = _capturing(doc_ids[0].device)
     value = _cached(doc_ids, what)
-    if value is None:
-        value = compute()
-        if not _capturing(doc_ids[0].device):
-            q_ids, k_ids = doc_ids
-            _derived.setdefault(q_ids, {})[(what, id(k_ids))] = (weakref.ref(k_ids), value)
+    if value is not None:
+        return _held(value) if capturing else value
+    value = compute()
+    if not capturing:
+        q_ids, k_ids = doc_ids
+        _derived.setdefault(q_ids, {})[(what, id(k_ids))] = (weakref.ref(k_ids), value)
     return value
 
 
@@ -132,6 +136,16 @@ def _capturing(device):
     then is computed by the graph's kernels, at each replay: its values do not exist before the
     first replay, so an eager call must not find it cached."""
     return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+_graph_held = []  # what captured graphs read that was made before their capture
+
+
+def _held(value):
+    """``value`` (made eagerly, read by a graph being captured) kept for good: a graph reads its
+    memory at every replay, after any cache that made it has let it go."""
+    _graph_held.append(value)
+    return value
 
 
 def visible_keys(doc_ids, tile_m):
@@ -240,9 +254,10 @@ def _dealt(walk, config, heads, seqlen_k, grid):
     return order.flatten()[:n].int()
 
 
-# Orders without documents, by shape, never evicted: a CUDA graph captured with one reads its
-# memory at every replay. A few KB each.
-_dense_orders = {}
+# Orders without documents, by shape, the most recently used DENSE_ORDERS (a few KB each; one
+# per sequence length where lengths vary).
+DENSE_ORDERS = 64
+_dense_orders = collections.OrderedDict()
 
 
 def tile_order(config, batch, seqlen_q, seqlen_k, heads, grid, device, doc_ids=None):
@@ -257,20 +272,27 @@ def tile_order(config, batch, seqlen_q, seqlen_k, heads, grid, device, doc_ids=N
     ``grid`` tiles (nearby tiles: nearby K/V in L2), each sorted by key blocks, longest first,
     and dealt in rounds of ``grid``: a CTA takes one tile per round (positions c, c + grid, ...),
     the round's longest going to the CTA with the fewest key blocks so far. Made once per ids
-    object with documents, once per shape without. None where it is not made yet and the stream
-    is being captured into a CUDA graph (making it reads sizes back from the GPU, which capture
-    forbids): the caller then runs the launch order, which gives the same bits."""
+    object with documents, once per shape without (of the DENSE_ORDERS shapes used last). None
+    where it is not made yet and the stream is being captured into a CUDA graph (making it reads
+    sizes back from the GPU, which capture forbids): the caller then runs the launch order,
+    which gives the same bits."""
     what = ("tile_order", config, heads, grid)
-    key = (config, batch, seqlen_q, seqlen_k, heads, grid, device)
-    if _capturing(device):
-        return _dense_orders.get(key) if doc_ids is None else _cached(doc_ids, what)
-    make = lambda: _dealt(_walks(doc_ids, config, batch, seqlen_q, seqlen_k, device),  # noqa: E731
-                          config, heads, seqlen_k, grid)
     if doc_ids is not None:
-        return _once(doc_ids, what, make)
-    if key not in _dense_orders:
-        _dense_orders[key] = make()
-    return _dense_orders[key]
+        if _capturing(device) and _cached(doc_ids, what) is None:
+            return None
+        return _once(doc_ids, what, lambda: _dealt(_walks(doc_ids, config, batch, seqlen_q, seqlen_k, device),
+                                                   config, heads, seqlen_k, grid))
+    key = (config, batch, seqlen_q, seqlen_k, heads, grid, device)
+    order = _dense_orders.get(key)
+    if _capturing(device):
+        return None if order is None else _held(order)
+    if order is None:
+        order = _dense_orders[key] = _dealt(_walks(None, config, batch, seqlen_q, seqlen_k, device), config,
+                                            heads, seqlen_k, grid)
+        if len(_dense_orders) > DENSE_ORDERS:
+            _dense_orders.popitem(last=False)
+    _dense_orders.move_to_end(key)
+    return order
 
 
 def forward_config(q, k, causal, doc_ids=None):
