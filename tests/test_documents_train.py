@@ -117,6 +117,59 @@ def test_logged_flops_without_document_masking_count_dense_causal_attention(tmp_
         assert flops == pytest.approx(expected[step], rel=1e-12), (step, flops, expected[step])
 
 
+def _token_file(path, ends):
+    """A token file (uint16, eod token 0) whose every 64-token window ends documents at ``ends``."""
+    tokens = torch.randint(1, 200, (64 * 8 + 1,), generator=torch.Generator().manual_seed(0))
+    tokens[torch.isin(torch.arange(len(tokens)) % 64, torch.tensor(ends))] = 0
+    path.write_bytes(tokens.to(torch.uint16).numpy().tobytes())
+    return ("data=tokens", f"data.path={path}", "data.dtype=uint16", "data.eod_token=0", "train.global_batch=1")
+
+
+@pytest.mark.parametrize("parallel", [("parallel.cp=2",), ("parallel.cp=4", "parallel.cp_heads=2")],
+                         ids=["ring2", "heads2_x_ring2"])
+def test_a_ring_that_stops_after_its_local_step_trains_like_one_process(parallel, tmp_path):
+    """One document per zigzag chunk of 16: no rank sees another's keys, so the ring (of 2, also
+    inside 2 head groups) computes its local step only and ends with the KV block it started
+    from, which its operators must not hand back as their own output."""
+    data = _token_file(tmp_path / "tokens.bin", (15, 31, 47))
+    ref_loss, cu, ref_grads = launch.spawn(_step, 1, _job("parallel.cp=1", *data))
+    assert cu.tolist() == [0, 16, 32, 48, 64]
+    loss, _, grads = launch.spawn(_step, 2 * len(parallel), _job(*parallel, *data))
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+    for name, ref in ref_grads.items():
+        err = (grads[name] - ref).abs().max().item()
+        assert err <= 1e-4 * ref.abs().max().item(), f"{name}: max error {err:.3e}"
+
+
+KV_BLOCK_BYTES = 2 * 32 * 2 * 8 * 4  # a rank's K and V: 32 rows x 2 kv heads x head_dim 8, fp32
+
+
+@pytest.mark.parametrize("ends,per_step", [
+    # Documents [0, 32), [32, 48), [48, 64) over zigzag's 2 ranks (chunks of 16: rank 0 holds 0
+    # and 3, rank 1 holds 1 and 2): only rank 1 sees the other's keys (the first document spans
+    # chunks 0 and 1), so in each layer's forward and backward rank 0 skips its second step, whose
+    # K and V it does not read.
+    ((31, 47), dict(run=12, skipped=4, not_read=4 * KV_BLOCK_BYTES, not_sent=0)),
+    # One document per chunk: no rank sees another's keys, the ring stops after the local step and
+    # sends no block (forward: the K/V transfer; backward: the K/V transfer and the dK/dV sum).
+    ((15, 31, 47), dict(run=8, skipped=0, not_read=0, not_sent=8 * KV_BLOCK_BYTES)),
+], ids=["a_step_skipped", "ring_stopped"])
+def test_a_ring_over_documents_reports_its_skipped_steps_and_the_bytes_it_did_not_move(ends, per_step, tmp_path):
+    """metrics.jsonl of a CP = 2 run of 2 layers whose every 64-token window holds the same
+    documents: the ring steps run and skipped and the bytes not read and not sent, summed over
+    ranks and over the run so far."""
+    job = _job(*_token_file(tmp_path / "tokens.bin", ends), "train.steps=3", "train.log_interval=1",
+               "parallel.cp=2", "parallel.layout=zigzag")
+    job.train.metrics, job.run_dir = ["jsonl"], str(tmp_path)
+    launch.spawn(trainer.train, 2, job)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        got = dict(run=r["ring_steps_run"], skipped=r["ring_steps_skipped"],
+                   not_read=r["ring_kv_gib_not_read"] * 2**30, not_sent=r["ring_gib_not_sent"] * 2**30)
+        assert got == {key: r["step"] * value for key, value in per_step.items()}, (r["step"], got)
+
+
 @pytest.mark.parametrize("overrides,message", [
     (("data=synthetic", "data.document_masking=true"), "need document boundaries"),
     (("data.document_separator=", "data.rope_positions=restart"), "need document boundaries"),

@@ -35,6 +35,14 @@ def _contiguous(tensors):
     return tuple(t.contiguous() for t in tensors)
 
 
+def _apart(last, *tensors):
+    """The KV block a ring ended with, as tensors of their own: a ring that stops after the local
+    step (packed documents no other rank sees) ends with the block it started from, and an
+    operator's outputs may alias neither its inputs nor each other."""
+    held = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+    return [t.clone() if t.numel() and t.untyped_storage().data_ptr() in held else t for t in last]
+
+
 def _backend_for(name, q, k, v, causal, doc_ids=None):
     _check_qkv(q, k, v, causal)
     return _choose_backend(name, q, k, v, causal, doc_ids)
@@ -106,9 +114,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale:
     module = _backend_for(backend, q, k, v, causal, None if docs is None else docs.local)
     agree.check(q, k, causal, layout, softmax_scale, deterministic, group, None,
                 documents=None if rows is None else checksum(rows, layout, world))
-    out, lse, (k_last, v_last) = ring_forward(module, q, k, v, causal, softmax_scale, Ring(group, q.device), layout,
-                                              docs)
-    return _contiguous((out, lse, k_last, v_last))
+    out, lse, kv_last = ring_forward(module, q, k, v, causal, softmax_scale, Ring(group, q.device), layout, docs)
+    return _contiguous((out, lse, *_apart(kv_last, k, v)))
 
 
 @ring_attention.register_fake
@@ -178,6 +185,7 @@ def heads_ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_
     else:
         out_h, lse_h, kv_last = ring_forward(module, qh, kh, vh, causal, softmax_scale, Ring(group, q.device), layout,
                                              docs)
+        kv_last = _apart(kv_last, k, v, kh, vh)
     return (heads.to_seq(out_h, head_world, 1, exchange), qh, kh, vh, out_h, lse_h, *kv_last)
 
 

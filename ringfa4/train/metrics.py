@@ -1,7 +1,9 @@
 """Run metrics: throughput and memory figures, and the sinks a step's record goes to.
 
 A record is one dict per log interval (step, loss, lr, grad_norm, tokens_per_s, tflops_per_device,
-mfu, peak_mem_gib). ``Writer`` sends it, on rank 0 only, to the sinks ``train.metrics`` names:
+mfu, peak_mem_gib; with a ring over packed documents also ring_steps_run, ring_steps_skipped,
+ring_kv_gib_not_read and ring_gib_not_sent, totals of the run so far). ``Writer`` sends it, on
+rank 0 only, to the sinks ``train.metrics`` names:
 
     console      the progress line (Progress)
     jsonl        <run_dir>/metrics.jsonl, one JSON object per line
@@ -67,6 +69,9 @@ class Progress:
         if record["mfu"] is not None:
             fields.append(f"MFU {100 * record['mfu']:.1f}%")
         fields.append(f"peak mem {record['peak_mem_gib']:.2f} GiB")
+        if "ring_steps_skipped" in record:
+            skipped = record["ring_steps_skipped"]
+            fields.append(f"ring steps skipped {skipped}/{skipped + record['ring_steps_run']}")
         line = " | ".join(fields)
         if self.tty:
             end = "\n" if step == self.total else ""

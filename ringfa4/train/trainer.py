@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ringfa4 import flops
 from ringfa4.nn import Transformer, build_mesh, parallelize, shard_sequence
 from ringfa4.nn.parallel import CP, DP_SHARD, head_group
+from ringfa4.ring import documents as ring_documents
 from ringfa4.train import checkpoint, config, data, launch, metrics
 
 
@@ -141,7 +142,10 @@ class Log:
     Model FLOPs (TFLOP/s, MFU) are ModelArgs.flops_per_token's, whose attention is dense causal.
     With packed documents a step counts less by the causal pairs its documents hide (each row's
     s (s + 1) / 2 causal pairs less its documents' flops.causal_pairs), counted on the host from
-    each batch's cu_seqlens; one document per row counts as dense."""
+    each batch's cu_seqlens; one document per row counts as dense. A ring over documents also
+    reports, summed over ranks since the run (this process) started, the ring steps it ran and
+    skipped (no shared document), the K/V bytes the skipped steps did not read and the block
+    bytes a ring stopped early did not send (ringfa4.ring.documents.counting)."""
 
     def __init__(self, run, start):
         train, model = run.job.train, run.settings.model
@@ -157,18 +161,39 @@ class Log:
         masked_dp = run.job.data.masking and run.settings.dp_shard > 1
         self.dp_group = run.mesh[DP_SHARD].get_group() if masked_dp else None
         self.peak = metrics.peak_flops(run.device)
+        settings = run.settings
+        self.ring_skips = run.job.data.masking and settings.cp // settings.cp_heads > 1
+        self.ring = [0, 0, 0, 0]  # steps run, steps skipped, K/V bytes not read, bytes not sent
         # Rank 0 writes; in-process runs without a run directory (tests, benches) write to the console only.
         sinks = [s for s in train.metrics if run.job.run_dir or s == "console"] if dist.get_rank() == 0 else []
         self.writer = metrics.Writer(sinks, train.steps, run.job.run_dir, config=asdict(run.job))
         self.last_time, self.last_step = time.perf_counter(), start
 
-    def step(self, step, loss, cu_seqlens=None):
+    def counting(self):
+        """The context a step runs in: counting the ring's steps over documents where there are."""
+        return ring_documents.counting() if self.ring_skips else contextlib.nullcontext()
+
+    def step(self, step, loss, cu_seqlens=None, count=None):
         """Keep step ``step``'s global loss (a device tensor) until the next check; count the causal
         pairs hidden by the documents of this rank's rows (``cu_seqlens`` on the host, every row
-        starting a document as data.DocumentBoundaries makes them)."""
+        starting a document as data.DocumentBoundaries makes them) and the ring steps of ``count``
+        (what counting() yielded)."""
         self.pending.append((step, loss))
         if cu_seqlens is not None:
             self.hidden_pairs += flops.hidden_pairs(cu_seqlens.tolist(), self.seq_len)
+        if count is not None:
+            counts = (count.computed, count.skipped, count.skipped_kv_bytes, count.transfer_bytes_saved)
+            self.ring = [total + sum(c.values()) for total, c in zip(self.ring, counts)]
+
+    def _ring_record(self):
+        """The record's ring fields, summed over every rank (a collective), or none."""
+        if not self.ring_skips:
+            return {}
+        total = torch.tensor(self.ring, dtype=torch.int64, device=self.run.device)
+        dist.all_reduce(total)
+        run, skipped, not_read, not_sent = total.tolist()
+        return {"ring_steps_run": run, "ring_steps_skipped": skipped,
+                "ring_kv_gib_not_read": not_read / 2**30, "ring_gib_not_sent": not_sent / 2**30}
 
     def _take_hidden_pairs(self):
         """The causal pairs the documents of the whole global batch hid since the last record.
@@ -209,7 +234,7 @@ class Log:
                   "tokens_per_s": self.global_tokens / elapsed,
                   "tflops_per_device": flops_per_step / world / elapsed / 1e12,
                   "mfu": flops_per_step / world / elapsed / self.peak if self.peak else None,
-                  "peak_mem_gib": metrics.peak_memory_gib(self.run.device)}
+                  "peak_mem_gib": metrics.peak_memory_gib(self.run.device), **self._ring_record()}
         self.last_time, self.last_step = now, step
         self.writer.write(record)
 
@@ -262,9 +287,10 @@ def fit(run):
             for group in run.optimizer.param_groups:
                 group["lr"] = lr
             batch = make_batch(run, position)
-            loss, grad_norm = train_step(run.model, run.optimizer, batch, log.global_tokens, train.grad_clip)
+            with log.counting() as count:
+                loss, grad_norm = train_step(run.model, run.optimizer, batch, log.global_tokens, train.grad_clip)
             position += train.global_batch
-            log.step(step, loss, batch[-1])
+            log.step(step, loss, batch[-1], count)
             if step % train.log_interval == 0 or step == train.steps:
                 log.write(step, lr, grad_norm)
             if train.checkpoint_dir and (step % train.checkpoint_interval == 0 or step == train.steps):
