@@ -277,18 +277,17 @@ def tile_order(config, batch, seqlen_q, seqlen_k, heads, grid, device, doc_ids=N
     sizes back from the GPU, which capture forbids): the caller then runs the launch order,
     which gives the same bits."""
     what = ("tile_order", config, heads, grid)
-    if doc_ids is not None:
-        if _capturing(device) and _cached(doc_ids, what) is None:
-            return None
-        return _once(doc_ids, what, lambda: _dealt(_walks(doc_ids, config, batch, seqlen_q, seqlen_k, device),
-                                                   config, heads, seqlen_k, grid))
     key = (config, batch, seqlen_q, seqlen_k, heads, grid, device)
-    order = _dense_orders.get(key)
     if _capturing(device):
+        order = _dense_orders.get(key) if doc_ids is None else _cached(doc_ids, what)
         return None if order is None else _held(order)
+    make = lambda: _dealt(_walks(doc_ids, config, batch, seqlen_q, seqlen_k, device),  # noqa: E731
+                          config, heads, seqlen_k, grid)
+    if doc_ids is not None:
+        return _once(doc_ids, what, make)
+    order = _dense_orders.get(key)
     if order is None:
-        order = _dense_orders[key] = _dealt(_walks(None, config, batch, seqlen_q, seqlen_k, device), config,
-                                            heads, seqlen_k, grid)
+        order = _dense_orders[key] = make()
         if len(_dense_orders) > DENSE_ORDERS:
             _dense_orders.popitem(last=False)
     _dense_orders.move_to_end(key)
