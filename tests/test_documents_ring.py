@@ -181,10 +181,16 @@ def _check_skips(rank, world, seed):
     # first chunk's (ringfa4.ring.schedule).
     skipped = {0: kv_bytes, 1: kv_bytes // 2, 2: 0}[rank]
     assert count.skipped_kv_bytes == {"fwd": skipped, "bwd": skipped}, count
-    # Not made: 1 of the forward's 2 KV transfers; in the backward its 1 KV transfer and 1 of its
-    # 2 dK/dV sums.
-    assert count.transfers_saved == {"fwd": 1, "bwd": 2}, count
-    assert count.transfer_bytes_saved == {"fwd": kv_bytes, "bwd": 2 * kv_bytes}, count
+    # Not made by the 2-step ring: 1 of the forward's 2 KV transfers; in the backward its 1 KV
+    # transfer and 1 of its 2 dK/dV sums. Of the transfers left only those of rank 1's block carry
+    # anything (rank 2 reads its first 4 of 8 rows): rank 1 sends those rows in the forward, rank 2
+    # (which holds the block in the backward) their dK/dV sums; the blocks of ranks 0 and 2 and
+    # their sums are not sent.
+    whole = {0: 1, 1: 0, 2: 1}[rank]  # the forward's remaining transfer not made
+    half = {0: 0, 1: 1, 2: 0}[rank]  # ... or made with half the rows
+    assert count.transfers_saved == {"fwd": 1 + whole, "bwd": 2 + (rank != 2)}, count
+    assert count.transfer_bytes_saved == {"fwd": kv_bytes * (1 + whole) + kv_bytes // 2 * half,
+                                          "bwd": kv_bytes * (2 + (rank != 2)) + kv_bytes // 2 * (rank == 2)}, count
 
 
 def test_steps_without_a_shared_document_launch_nothing_and_the_ring_stops_after_the_farthest_hop():
@@ -245,7 +251,7 @@ def test_a_step_calls_the_backend_over_the_rows_that_share_documents_only(monkey
                     if not calls or source == rank:
                         continue
                     case = (world, layout, causal, rank, source, row)
-                    q_ids, k_ids = docs._ids_for(source, causal)[:2]  # ids of the whole blocks
+                    q_ids, k_ids = docs._ids_for(docs.rank, source, causal)[:2]  # ids of the whole blocks
                     (q0, q1, _), (k0, k1, _) = whole.q.indices(local_len), whole.kv.indices(local_len)
                     covered = torch.zeros(local_len, local_len, dtype=torch.int64)
                     for step, ids in calls:

@@ -148,8 +148,9 @@ KV_BLOCK_BYTES = 2 * 32 * 2 * 8 * 4  # a rank's K and V: 32 rows x 2 kv heads x 
     # Documents [0, 32), [32, 48), [48, 64) over zigzag's 2 ranks (chunks of 16: rank 0 holds 0
     # and 3, rank 1 holds 1 and 2): only rank 1 sees the other's keys (the first document spans
     # chunks 0 and 1), so in each layer's forward and backward rank 0 skips its second step, whose
-    # K and V it does not read.
-    ((31, 47), dict(run=12, skipped=4, not_read=4 * KV_BLOCK_BYTES, not_sent=0)),
+    # K and V it does not read. Of rank 0's block rank 1 reads the first half: the forward sends
+    # that half, the backward its dK/dV sums, and neither sends rank 1's block or its sums.
+    ((31, 47), dict(run=12, skipped=4, not_read=4 * KV_BLOCK_BYTES, not_sent=6 * KV_BLOCK_BYTES)),
     # One document per chunk: no rank sees another's keys, the ring stops after the local step and
     # sends no block (forward: the K/V transfer; backward: the K/V transfer and the dK/dV sum).
     ((15, 31, 47), dict(run=8, skipped=0, not_read=0, not_sent=8 * KV_BLOCK_BYTES)),

@@ -14,7 +14,9 @@ last transfer as well: no transfer is left exposed.
 
 With packed documents no rank may need blocks from farther than h hops (RingDocuments.steps):
 the forward then takes steps 0..h, the backward h + 1 steps from the block of rank r - h, and
-every block travels h hops instead of W - 1. Without documents the ring takes W steps.
+every block travels h hops instead of W - 1. Without documents the ring takes W steps. Of a block
+(and of its dK/dV sums) the transfers carry only the rows other ranks read (RingDocuments.carried):
+the documents that cross ranks, often a few thousand of a block's rows.
 """
 import torch
 
@@ -56,6 +58,25 @@ def _nbytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _carried(docs, source, causal, length):
+    """The rows of ``source``'s block that its transfers carry: all ``length`` without documents."""
+    return slice(0, length) if docs is None else docs.carried(source, causal)
+
+
+def _rows(tensors, rows):
+    return [t[:, rows] for t in tensors] if rows.stop > rows.start else []
+
+
+def _transfer(ring, phase, send, send_rows, recv, recv_rows, **kwargs):
+    """Post the transfer of ``send``'s rows send_rows and the receive into ``recv``'s rows
+    recv_rows (none, where no rank reads them); counts the bytes the rows left out spare."""
+    full = _nbytes(send)
+    sent = _rows(send, send_rows)
+    count_saved(phase, 0 if sent else 1, full - _nbytes(sent))
+    ops = (sent, _rows(recv, recv_rows))
+    return ring.start(*ops, **kwargs) if any(ops) else []
+
+
 def _calls(step, docs, source, causal, phase, kv):
     """[(step, doc_ids)]: the backend calls of a ring step (ringfa4.ring.schedule.plan's ``step``,
     None: none), cut to the rows that share documents with ``docs``."""
@@ -84,8 +105,10 @@ def ring_forward(backend, q, k, v, causal, softmax_scale, ring, layout, docs=Non
     out = lse = None
     for i in range(steps):
         last = i + 1 == steps
-        works = ring.start(kv, targets[i % 2], span=("fwd", i, "kv")) if not last else []
         source = (rank - i) % world
+        works = [] if last else _transfer(ring, "fwd", kv, _carried(docs, source, causal, k.shape[1]), targets[i % 2],
+                                          _carried(docs, (source - 1) % world, causal, k.shape[1]),
+                                          span=("fwd", i, "kv"))
         started = timeline.begin(q.device)
         for step, ids in _calls(plan(rank, source, layout, causal, q.shape[1]), docs, source, causal, "fwd", kv):
             o, l = backend.forward(q[:, step.q], kv[0][:, step.kv], kv[1][:, step.kv], step.causal, softmax_scale,
@@ -125,9 +148,11 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
     dkv_works = []
     for j in range(steps):
         local = j + 1 == steps
-        # The block of step j + 1 travels during step j; the local one is already here.
-        kv_works = ring.start(kv, targets[j % 2], span=("bwd", j, "kv")) if j + 2 < steps else []
         source = (rank - steps + 1 + j) % world
+        held, arriving = (_carried(docs, s % world, causal, k.shape[1]) for s in (source, source + 1))
+        # The block of step j + 1 travels during step j; the local one is already here.
+        kv_works = (_transfer(ring, "bwd", kv, held, targets[j % 2], arriving, span=("bwd", j, "kv"))
+                    if j + 2 < steps else [])
         started = timeline.begin(q.device)
         grads = []  # (key rows, [dk, dv]) of each call
         for step, ids in _calls(plan(rank, source, layout, causal, q.shape[1]), docs, source, causal, "bwd", kv):
@@ -151,9 +176,12 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
             ring.wait(dkv_works)
             timeline.end(waiting, "bwd", j, "wait_dkv")
             dkv, inbox = inbox, dkv
+            for t in dkv:  # the rows the transfer left out hold no sums of this block
+                t[:, :held.start].zero_()
+                t[:, held.stop:].zero_()
             _add(dkv, grads)
         if not local:
-            dkv_works = ring.start(dkv, inbox, tag=1, span=("bwd", j, "dkv"))
+            dkv_works = _transfer(ring, "bwd", dkv, held, inbox, arriving, tag=1, span=("bwd", j, "dkv"))
             ring.wait(kv_works)
             kv = targets[j % 2] if j + 2 < steps else [k, v]
     dk, dv = dkv

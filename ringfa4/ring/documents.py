@@ -9,7 +9,8 @@ kernel, no merge, no dK/dV add. Beyond the farthest hop at which any rank still 
 r seeing rank r - h's), no rank needs another block: the ring then takes h + 1 steps instead of
 W and the blocks travel h hops (ringfa4.ring.attention). ``counting()`` reports, per phase, the
 steps computed and skipped, the bytes of K and V the skipped steps' kernels did not read, and
-the transfers the shorter ring did not make.
+the transfers the shorter ring did not make. A block's transfers carry only the rows another
+rank's calls read (``carried``), and the count has the bytes they left out too.
 
 Under a document layout (ringfa4.documents) a rank holds each document as one or two pieces of
 consecutive positions, and for another rank's block every pair of pieces of a document is seen
@@ -37,7 +38,7 @@ import torch
 
 from ringfa4 import documents
 from ringfa4.ring.layout import chunk_ids, num_chunks
-from ringfa4.ring.schedule import ROW_ALIGN
+from ringfa4.ring.schedule import ROW_ALIGN, plan
 
 # Rows seeing nothing between two shared documents from which they go to separate calls: a call
 # costs ~0.1 ms of launches and passes, a query tile that sees nothing ~10 us of a CTA's setup over
@@ -51,8 +52,8 @@ class SkipCount:
     computed: dict
     skipped: dict
     skipped_kv_bytes: dict
-    transfers_saved: dict  # block transfers (KV, or dK/dV sums) a ring shorter than W steps did not make
-    transfer_bytes_saved: dict
+    transfers_saved: dict  # block transfers (KV, or dK/dV sums) not made: a shorter ring, or no rank reads the block
+    transfer_bytes_saved: dict  # their bytes, and those of the rows the transfers made left out (carried)
 
 
 _active = None
@@ -82,8 +83,9 @@ def _count(phase, skipped, kv_bytes=0):
 
 
 def count_saved(phase, transfers, nbytes):
-    """Record ``transfers`` block transfers (``nbytes`` in all) that a shorter ring did not make."""
-    if _active is not None and transfers:
+    """Record ``transfers`` block transfers that a shorter ring (or a block no other rank reads)
+    did not make, and ``nbytes`` not sent, theirs and the rows of the blocks sent that no rank reads."""
+    if _active is not None and (transfers or nbytes):
         _active.transfers_saved[phase] += transfers
         _active.transfer_bytes_saved[phase] += nbytes
 
@@ -148,7 +150,7 @@ class RingDocuments:
         self._piece = [_pieces(p) for p in pos]
         local = self._ids[rank]
         self._local = documents.DocIds(*(local.to(device),) * 2, _longest(local))
-        self._step_ids, self._step_parts, self._steps = {}, {}, {}
+        self._step_ids, self._step_parts, self._steps, self._carried = {}, {}, {}, {}
 
     @property
     def local(self):
@@ -172,31 +174,36 @@ class RingDocuments:
                                           if s == r or self._sees(r, s, causal))
         return self._steps[causal]
 
-    def _ids_for(self, source, causal):
-        """(q ids, k ids) of all local rows against ``source``'s block (the module docstring), on
-        the host and on the device."""
-        key = (source, causal)
+    def _ids_for(self, rank, source, causal):
+        """(q ids, k ids) of all rows of ``rank`` against ``source``'s block (the module docstring),
+        on the host (and, for this rank, on the device)."""
+        key = (rank, source, causal)
         if key not in self._step_ids:
-            q, k = self._ids[self.rank], self._ids[source]
-            if causal and source != self.rank and self.layout in documents.LAYOUTS:
+            q, k = self._ids[rank], self._ids[source]
+            if causal and source != rank and self.layout in documents.LAYOUTS:
                 pairs = [_piece_ids(qd, qp, kd, kp, self.layout) for qd, qp, kd, kp in
-                         zip(q.numpy(), self._piece[self.rank].numpy(), k.numpy(), self._piece[source].numpy())]
+                         zip(q.numpy(), self._piece[rank].numpy(), k.numpy(), self._piece[source].numpy())]
                 q, k = (torch.from_numpy(np.stack(t)).to(torch.int32) for t in zip(*pairs))
-            self._step_ids[key] = (q, k, q.to(self.device), k.to(self.device))
+            on_device = (q.to(self.device), k.to(self.device)) if rank == self.rank else (None, None)
+            self._step_ids[key] = (q, k, *on_device)
         return self._step_ids[key]
 
-    def _parts(self, step, source, causal):
-        """``step`` cut into the calls over the query and key rows of the documents both sides
-        hold ([] when they share none). The local step keeps every row (its result starts the
-        ring's sums) and so does a causal one (its queries and keys must stay aligned row for row)."""
-        q, k = (t.numpy() for t in self._ids_for(source, causal)[:2])
+    def _parts(self, rank, source, causal):
+        """The step of ``rank`` on ``source``'s block cut into the calls over the query and key rows
+        of the documents both sides hold ([] when they share none, or no step). The local step
+        keeps every row (its result starts the ring's sums) and so does a causal one (its queries
+        and keys must stay aligned row for row)."""
+        local_len = self._local[0].shape[1]
+        step = plan(rank, source, self.layout, causal, local_len)
+        if step is None:
+            return []
+        q, k = (t.numpy() for t in self._ids_for(rank, source, causal)[:2])
         q, k = q[:, step.q], k[:, step.kv]
         shared = [np.intersect1d(qr, kr) for qr, kr in zip(q, k)]
         if not any(s.size for s in shared):
             return []
-        if source == self.rank or step.causal:
+        if source == rank or step.causal:
             return [step]
-        local_len = self._local[0].shape[1]
         q0, q1, _ = step.q.indices(local_len)
         k0 = step.kv.indices(local_len)[0]
         groups = _groups(q[0], k[0], shared[0]) if len(q) == 1 else [_hull(q, k, shared)]
@@ -212,24 +219,44 @@ class RingDocuments:
         return parts
 
     def calls(self, step, source, causal, phase, kv):
-        """[(step, doc_ids)] of the backend calls of this ring step: its rows that share documents,
-        in one call or a few (none when nothing is shared, counted as skipped, with the bytes of
-        the ``kv`` rows it would have read). The same doc_ids objects every call, so that a
-        backend may derive what it reads of them once (ringfa4.backends.cute.interface)."""
+        """[(step, doc_ids)] of the backend calls of this ring step (plan's ``step``, None: none):
+        its rows that share documents, in one call or a few (none when nothing is shared, counted
+        as skipped, with the bytes of the ``kv`` rows it would have read). The same doc_ids
+        objects every call, so that a backend may derive what it reads of them once
+        (ringfa4.backends.cute.interface)."""
         if step is None:
             return []
         key = (source, causal)
         if key not in self._step_parts:
-            q_host, _, q_dev, k_dev = self._ids_for(source, causal)
+            q_host, _, q_dev, k_dev = self._ids_for(self.rank, source, causal)
             self._step_parts[key] = [
                 (part, documents.DocIds(q_dev[:, part.q], k_dev[:, part.kv], _longest(q_host[:, part.q])))
-                for part in self._parts(step, source, causal)]
+                for part in self._parts(self.rank, source, causal)]
         parts = self._step_parts[key]
         if parts:
             _count(phase, False)
         else:
             _count(phase, True, sum(t[:, step.kv].numel() * t.element_size() for t in kv))
         return parts
+
+    def carried(self, source, causal):
+        """The rows of ``source``'s K/V block (and of its dK/dV sums) that the ring's transfers
+        carry: from the first to the last key row any other rank's calls read of it, over the
+        ranks the block reaches; slice(0, 0) when none reads it. Every transfer of the block
+        carries the same rows, so that the ranks it passes on to find theirs, and sender and
+        receiver agree without a word. A batch of several rows carries every row (a row range
+        of it is no contiguous buffer)."""
+        key = (source, causal)
+        if key not in self._carried:
+            local_len = self._local[0].shape[1]
+            spans = [part.kv.indices(local_len)[:2]
+                     for hop in range(1, self.steps(causal))
+                     for part in self._parts((source + hop) % self.world, source, causal)]
+            if self._local[0].shape[0] > 1 and spans:
+                spans = [(0, local_len)]
+            self._carried[key] = (slice(min(a for a, _ in spans), max(b for _, b in spans)) if spans
+                                  else slice(0, 0))
+        return self._carried[key]
 
 
 def _longest(ids):
