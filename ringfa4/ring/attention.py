@@ -63,18 +63,12 @@ def _carried(docs, source, causal, length):
     return slice(0, length) if docs is None else docs.carried(source, causal)
 
 
-def _rows(tensors, rows):
-    return [t[:, rows] for t in tensors] if rows.stop > rows.start else []
-
-
 def _transfer(ring, phase, send, send_rows, recv, recv_rows, **kwargs):
-    """Post the transfer of ``send``'s rows send_rows and the receive into ``recv``'s rows
-    recv_rows (none, where no rank reads them); counts the bytes the rows left out spare."""
-    full = _nbytes(send)
-    sent = _rows(send, send_rows)
-    count_saved(phase, 0 if sent else 1, full - _nbytes(sent))
-    ops = (sent, _rows(recv, recv_rows))
-    return ring.start(*ops, **kwargs) if any(ops) else []
+    """ring.start for blocks of which only send_rows / recv_rows travel; counts what stays home."""
+    row_bytes = _nbytes(send) // max(1, send[0].shape[1])
+    sent = len(range(*send_rows.indices(send[0].shape[1])))
+    count_saved(phase, 0 if sent else 1, (send[0].shape[1] - sent) * row_bytes)
+    return ring.start(send, recv, send_rows, recv_rows, **kwargs)
 
 
 def _calls(step, docs, source, causal, phase, kv):

@@ -76,11 +76,17 @@ class Ring:
         """The same ring, turning the other way."""
         return Ring(self.group, self.device, reverse=not self.reverse)
 
-    def start(self, send, recv, tag=0, span=None):
-        """Post the sends of ``send`` to the next rank and the receives into ``recv`` from the previous one.
+    def start(self, send, recv, send_rows=slice(None), recv_rows=slice(None), tag=0, span=None):
+        """Post the sends of ``send`` to the next rank and the receives into ``recv`` from the previous one:
+        of each tensor (b, s, ...) the rows send_rows / recv_rows (a contiguous range when b = 1), none
+        where that range is empty (the peer agrees on it).
 
         ``span`` = (phase, step, kind) names the transfer in an active timeline recording.
         """
+        send, recv = ([t[:, rows] for t in tensors if t[:, rows].shape[1]]
+                      for tensors, rows in ((send, send_rows), (recv, recv_rows)))
+        if not send and not recv:
+            return []
         ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in recv]
         if self.stream is None:

@@ -47,16 +47,17 @@ class SimulatedRing:
         self._kv_received += 1
         return (self.rank - self.steps + 2 + n if self.reverse else self.rank - 1 - n) % self.world
 
-    def start(self, send, recv, tag=0, span=None):
+    def start(self, send, recv, send_rows=slice(None), recv_rows=slice(None), tag=0, span=None):
         sources = self.blocks[self._source()] if tag == 0 else send
+        pairs = [(t[:, recv_rows], s[:, recv_rows]) for t, s in zip(recv, sources)]
         if self.stream is None:
-            for t, s in zip(recv, sources):
+            for t, s in pairs:
                 t.copy_(s)
             return []
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             started = timeline.begin(self.device) if span else None
-            for t, s in zip(recv, sources):
+            for t, s in pairs:
                 t.copy_(s, non_blocking=True)
             if started is not None:
                 timeline.end(started, *span)
