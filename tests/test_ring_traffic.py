@@ -15,9 +15,9 @@ def _count_sends(rank, world, seed, dtype):
     sent = []
     start = comm.Ring.start
 
-    def counting(self, send, recv, tag=0, span=None):
-        sent.append((span[0], span[2], tuple(t.dtype for t in send), tuple(t.shape for t in send)))
-        return start(self, send, recv, tag, span)
+    def counting(self, send, recv, send_rows=slice(None), recv_rows=slice(None), tag=0, span=None):
+        sent.append((span[0], span[2], tuple(t.dtype for t in send), tuple(t[:, send_rows].shape for t in send)))
+        return start(self, send, recv, send_rows, recv_rows, tag, span)
 
     comm.Ring.start = counting
     try:
