@@ -170,9 +170,10 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
             ring.wait(dkv_works)
             timeline.end(waiting, "bwd", j, "wait_dkv")
             dkv, inbox = inbox, dkv
-            for t in dkv:  # the rows the transfer left out hold no sums of this block
-                t[:, :held.start].zero_()
-                t[:, held.stop:].zero_()
+            if local:  # the rows no transfer carried hold another block's sums; the rank's dK, dV has none there
+                for t in dkv:
+                    t[:, :held.start].zero_()
+                    t[:, held.stop:].zero_()
             _add(dkv, grads)
         if not local:
             dkv_works = _transfer(ring, "bwd", dkv, held, inbox, arriving, tag=1, span=("bwd", j, "dkv"))
