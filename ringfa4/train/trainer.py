@@ -144,8 +144,9 @@ class Log:
     s (s + 1) / 2 causal pairs less its documents' flops.causal_pairs), counted on the host from
     each batch's cu_seqlens; one document per row counts as dense. A ring over documents also
     reports, summed over ranks since the run (this process) started, the ring steps it ran and
-    skipped (no shared document), the K/V bytes the skipped steps did not read and the block
-    bytes a ring stopped early did not send (ringfa4.ring.documents.counting)."""
+    skipped (no shared document), the K/V bytes the skipped steps did not read and the bytes
+    its transfers did not send (a ring stopped early; rows no other rank reads;
+    ringfa4.ring.documents.counting)."""
 
     def __init__(self, run, start):
         train, model = run.job.train, run.settings.model
