@@ -170,7 +170,8 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
             ring.wait(dkv_works)
             timeline.end(waiting, "bwd", j, "wait_dkv")
             dkv, inbox = inbox, dkv
-            if local:  # the rows no transfer carried hold another block's sums; the rank's dK, dV has none there
+            if local and held != slice(0, k.shape[1]):
+                # The rows no transfer carried hold another block's sums; the rank's dK, dV has none there.
                 for t in dkv:
                     t[:, :held.start].zero_()
                     t[:, held.stop:].zero_()
