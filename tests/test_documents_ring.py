@@ -294,3 +294,19 @@ def test_every_calls_ids_carry_their_longest_document_on_the_host(layout):
                     step = plan(rank, source, layout, causal, docs.local[0].shape[1])
                     for part, ids in docs.calls(step, source, causal, "fwd", [torch.zeros(1, 1024 // world)]):
                         assert ids.longest == _longest_run(ids[0]), (rank, source, part)
+
+
+def test_a_blocks_transfers_carry_the_rows_other_ranks_read():
+    """RingDocuments.carried over 4 contiguous ranks of 4096 rows (balance.carried_share, the
+    share of all blocks' rows): one causal document: every block but the last is read whole by the
+    ranks after it; not causal, the last too; a document per rank: none; a first document of 2048
+    rows that the rest does not see: rank 0 carries only its other 2048 rows."""
+    from ringfa4.ring import balance
+
+    assert balance.carried_share([0, 16384], 4, "contiguous") == 0.75
+    assert balance.carried_share([0, 16384], 4, "contiguous", causal=False) == 1.0
+    assert balance.carried_share([0, 4096, 8192, 12288, 16384], 4, "contiguous") == 0.0
+    assert balance.carried_share([0, 2048, 16384], 4, "contiguous") == (2048 + 2 * 4096) / 16384
+    docs = RingDocuments([[0, 2048, 16384]], 0, 4, "contiguous", 16384, torch.device("cpu"))
+    assert [docs.carried(s, True) for s in range(4)] == [slice(2048, 4096), slice(0, 4096), slice(0, 4096),
+                                                         slice(0, 0)]

@@ -62,14 +62,24 @@ def ring_steps(row, world, layout, causal=True):
     return RingDocuments([row], 0, world, layout, row[-1], "cpu").steps(causal)
 
 
+def carried_share(row, world, layout, causal=True):
+    """Of the rows of the blocks a ring's transfers would move whole, the share they carry
+    (ringfa4.ring.documents.RingDocuments.carried: the rows another rank reads; every hop of a
+    block carries the same rows)."""
+    docs = RingDocuments([row], 0, world, layout, row[-1], "cpu")
+    local_len = row[-1] // world
+    return sum(len(range(*docs.carried(s, causal).indices(local_len))) for s in range(world)) / (world * local_len)
+
+
 def report(totals=(1 << 17, 1 << 19), worlds=(2, 4, 8), seeds=(0, 1, 2)):
     """Lines of the table `python -m ringfa4.plan --documents` prints: worst rank / mean, causal,
     per layout, for each mix, total length and ring size, over a few seeds (their worst)."""
     lines = ["packed documents, causal: worst rank's visible-pair FLOPs / mean (max over seeds "
              f"{', '.join(map(str, seeds))}; log-normal lengths, median {MIX_MEDIAN}, sigma {MIX_SIGMA}), "
-             "and the most ring steps document_balanced takes (of W)",
+             "the most ring steps document_balanced takes (of W) and the largest share of its blocks' rows "
+             "its transfers carry",
              f"{'mix':<20} {'total':>7} {'docs':>9} {'W':>2}  " + "  ".join(f"{x:>15}" for x in LAYOUTS)
-             + "  steps"]
+             + "  steps  carried"]
     for name, long_docs in MIXES:
         for total in totals:
             rows = [document_mix(total, seed, long_docs) for seed in seeds]
@@ -77,6 +87,7 @@ def report(totals=(1 << 17, 1 << 19), worlds=(2, 4, 8), seeds=(0, 1, 2)):
             for world in worlds:
                 worst = [max(imbalance(r, world, layout) for r in rows) for layout in LAYOUTS]
                 steps = max(ring_steps(r, world, documents.DOCUMENT_BALANCED) for r in rows)
+                carried = max(carried_share(r, world, documents.DOCUMENT_BALANCED) for r in rows)
                 lines.append(f"{name:<20} {total // 1024:>6}k {counts[0]:>4}-{counts[-1]:<4} {world:>2}  "
-                             + "  ".join(f"{w:>14.3f}x" for w in worst) + f"  {steps:>5}")
+                             + "  ".join(f"{w:>14.3f}x" for w in worst) + f"  {steps:>5}  {carried:>7.1%}")
     return lines
