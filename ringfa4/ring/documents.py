@@ -241,20 +241,28 @@ class RingDocuments:
 
     def carried(self, source, causal):
         """The rows of ``source``'s K/V block (and of its dK/dV sums) that the ring's transfers
-        carry: from the first to the last key row any other rank's calls read of it, over the
-        ranks the block reaches; slice(0, 0) when none reads it. Every transfer of the block
+        carry: from the first to the last of its rows in a document that a rank the block reaches
+        sees (holds, and causal, holds past the block's first key of it); a superset of the rows
+        those ranks' calls read, found from the documents' spans alone (exact calls of every rank
+        would cost W^2 of them). slice(0, 0) when no rank sees any. Every transfer of the block
         carries the same rows, so that the ranks it passes on to find theirs, and sender and
-        receiver agree without a word. A batch of several rows carries every row (a row range
-        of it is no contiguous buffer)."""
+        receiver agree without a word. A batch of several rows carries every row (a row range of
+        it is no contiguous buffer)."""
         key = (source, causal)
         if key not in self._carried:
             local_len = self._local[0].shape[1]
-            spans = [part.kv.indices(local_len)[:2]
-                     for hop in range(1, self.steps(causal))
-                     for part in self._parts((source + hop) % self.world, source, causal)]
-            if self._local[0].shape[0] > 1 and spans:
-                spans = [(0, local_len)]
-            self._carried[key] = (slice(min(a for a, _ in spans), max(b for _, b in spans)) if spans
+            readers = [(source + hop) % self.world for hop in range(1, self.steps(causal))]
+            ranges = []
+            for row, (ids, keys) in enumerate(zip(self._ids[source].numpy(), self._spans[source])):
+                seen = [d for d, (first, _) in keys.items()
+                        if any(d in self._spans[r][row] and (not causal or first < self._spans[r][row][d][1])
+                               for r in readers)]
+                rows = np.flatnonzero(np.isin(ids, seen))
+                if rows.size:
+                    ranges.append((int(rows[0]), int(rows[-1]) + 1))
+            if len(self._ids[source]) > 1 and ranges:
+                ranges = [(0, local_len)]
+            self._carried[key] = (slice(min(a for a, _ in ranges), max(b for _, b in ranges)) if ranges
                                   else slice(0, 0))
         return self._carried[key]
 
