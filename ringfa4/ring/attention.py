@@ -100,9 +100,8 @@ def ring_forward(backend, q, k, v, causal, softmax_scale, ring, layout, docs=Non
     for i in range(steps):
         last = i + 1 == steps
         source = (rank - i) % world
-        works = [] if last else _transfer(ring, "fwd", kv, _carried(docs, source, causal, k.shape[1]), targets[i % 2],
-                                          _carried(docs, (source - 1) % world, causal, k.shape[1]),
-                                          span=("fwd", i, "kv"))
+        held, arriving = (_carried(docs, s % world, causal, k.shape[1]) for s in (source, source - 1))
+        works = [] if last else _transfer(ring, "fwd", kv, held, targets[i % 2], arriving, span=("fwd", i, "kv"))
         started = timeline.begin(q.device)
         for step, ids in _calls(plan(rank, source, layout, causal, q.shape[1]), docs, source, causal, "fwd", kv):
             o, l = backend.forward(q[:, step.q], kv[0][:, step.kv], kv[1][:, step.kv], step.causal, softmax_scale,
