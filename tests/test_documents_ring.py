@@ -251,7 +251,7 @@ def test_a_step_calls_the_backend_over_the_rows_that_share_documents_only(monkey
                     if not calls or source == rank:
                         continue
                     case = (world, layout, causal, rank, source, row)
-                    q_ids, k_ids = docs._ids_for(docs.rank, source, causal)[:2]  # ids of the whole blocks
+                    q_ids, k_ids = docs._ids_for(source, causal)[:2]  # ids of the whole blocks
                     (q0, q1, _), (k0, k1, _) = whole.q.indices(local_len), whole.kv.indices(local_len)
                     covered = torch.zeros(local_len, local_len, dtype=torch.int64)
                     for step, ids in calls:

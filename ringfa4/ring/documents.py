@@ -9,8 +9,8 @@ kernel, no merge, no dK/dV add. Beyond the farthest hop at which any rank still 
 r seeing rank r - h's), no rank needs another block: the ring then takes h + 1 steps instead of
 W and the blocks travel h hops (ringfa4.ring.attention). ``counting()`` reports, per phase, the
 steps computed and skipped, the bytes of K and V the skipped steps' kernels did not read, and
-the transfers the shorter ring did not make. A block's transfers carry only the rows another
-rank's calls read (``carried``), and the count has the bytes they left out too.
+the transfers the shorter ring did not make. A block's transfers carry only the rows of the
+documents other ranks see (``carried``), and the count has the bytes they left out too.
 
 Under a document layout (ringfa4.documents) a rank holds each document as one or two pieces of
 consecutive positions, and for another rank's block every pair of pieces of a document is seen
@@ -38,7 +38,7 @@ import torch
 
 from ringfa4 import documents
 from ringfa4.ring.layout import chunk_ids, num_chunks
-from ringfa4.ring.schedule import ROW_ALIGN, plan
+from ringfa4.ring.schedule import ROW_ALIGN
 
 # Rows seeing nothing between two shared documents from which they go to separate calls: a call
 # costs ~0.1 ms of launches and passes, a query tile that sees nothing ~10 us of a CTA's setup over
@@ -174,36 +174,31 @@ class RingDocuments:
                                           if s == r or self._sees(r, s, causal))
         return self._steps[causal]
 
-    def _ids_for(self, rank, source, causal):
-        """(q ids, k ids) of all rows of ``rank`` against ``source``'s block (the module docstring),
-        on the host (and, for this rank, on the device)."""
-        key = (rank, source, causal)
+    def _ids_for(self, source, causal):
+        """(q ids, k ids) of all local rows against ``source``'s block (the module docstring), on
+        the host and on the device."""
+        key = (source, causal)
         if key not in self._step_ids:
-            q, k = self._ids[rank], self._ids[source]
-            if causal and source != rank and self.layout in documents.LAYOUTS:
+            q, k = self._ids[self.rank], self._ids[source]
+            if causal and source != self.rank and self.layout in documents.LAYOUTS:
                 pairs = [_piece_ids(qd, qp, kd, kp, self.layout) for qd, qp, kd, kp in
-                         zip(q.numpy(), self._piece[rank].numpy(), k.numpy(), self._piece[source].numpy())]
+                         zip(q.numpy(), self._piece[self.rank].numpy(), k.numpy(), self._piece[source].numpy())]
                 q, k = (torch.from_numpy(np.stack(t)).to(torch.int32) for t in zip(*pairs))
-            on_device = (q.to(self.device), k.to(self.device)) if rank == self.rank else (None, None)
-            self._step_ids[key] = (q, k, *on_device)
+            self._step_ids[key] = (q, k, q.to(self.device), k.to(self.device))
         return self._step_ids[key]
 
-    def _parts(self, rank, source, causal):
-        """The step of ``rank`` on ``source``'s block cut into the calls over the query and key rows
-        of the documents both sides hold ([] when they share none, or no step). The local step
-        keeps every row (its result starts the ring's sums) and so does a causal one (its queries
-        and keys must stay aligned row for row)."""
-        local_len = self._local[0].shape[1]
-        step = plan(rank, source, self.layout, causal, local_len)
-        if step is None:
-            return []
-        q, k = (t.numpy() for t in self._ids_for(rank, source, causal)[:2])
+    def _parts(self, step, source, causal):
+        """``step`` cut into the calls over the query and key rows of the documents both sides
+        hold ([] when they share none). The local step keeps every row (its result starts the
+        ring's sums) and so does a causal one (its queries and keys must stay aligned row for row)."""
+        q, k = (t.numpy() for t in self._ids_for(source, causal)[:2])
         q, k = q[:, step.q], k[:, step.kv]
         shared = [np.intersect1d(qr, kr) for qr, kr in zip(q, k)]
         if not any(s.size for s in shared):
             return []
-        if source == rank or step.causal:
+        if source == self.rank or step.causal:
             return [step]
+        local_len = self._local[0].shape[1]
         q0, q1, _ = step.q.indices(local_len)
         k0 = step.kv.indices(local_len)[0]
         groups = _groups(q[0], k[0], shared[0]) if len(q) == 1 else [_hull(q, k, shared)]
@@ -219,19 +214,18 @@ class RingDocuments:
         return parts
 
     def calls(self, step, source, causal, phase, kv):
-        """[(step, doc_ids)] of the backend calls of this ring step (plan's ``step``, None: none):
-        its rows that share documents, in one call or a few (none when nothing is shared, counted
-        as skipped, with the bytes of the ``kv`` rows it would have read). The same doc_ids
-        objects every call, so that a backend may derive what it reads of them once
-        (ringfa4.backends.cute.interface)."""
+        """[(step, doc_ids)] of the backend calls of this ring step: its rows that share documents,
+        in one call or a few (none when nothing is shared, counted as skipped, with the bytes of
+        the ``kv`` rows it would have read). The same doc_ids objects every call, so that a
+        backend may derive what it reads of them once (ringfa4.backends.cute.interface)."""
         if step is None:
             return []
         key = (source, causal)
         if key not in self._step_parts:
-            q_host, _, q_dev, k_dev = self._ids_for(self.rank, source, causal)
+            q_host, _, q_dev, k_dev = self._ids_for(source, causal)
             self._step_parts[key] = [
                 (part, documents.DocIds(q_dev[:, part.q], k_dev[:, part.kv], _longest(q_host[:, part.q])))
-                for part in self._parts(self.rank, source, causal)]
+                for part in self._parts(step, source, causal)]
         parts = self._step_parts[key]
         if parts:
             _count(phase, False)
