@@ -83,7 +83,7 @@ class Ring:
 
         ``span`` = (phase, step, kind) names the transfer in an active timeline recording.
         """
-        send, recv = ([t[:, rows] for t in tensors if t[:, rows].shape[1]]
+        send, recv = ([part for part in (t[:, rows] for t in tensors) if part.shape[1]]
                       for tensors, rows in ((send, send_rows), (recv, recv_rows)))
         if not send and not recv:
             return []
