@@ -29,13 +29,13 @@ steps the documents skipped and the transfers a ring stopped early did not make
 (ringfa4.ring.documents.counting).
 
 Under torchrun (--part ring) the ring runs over NCCL on the W GPUs instead (gloo on the CPU with
---smoke; rows in documents_ring_ranks.json): every rank makes the same inputs, takes its shard
-(ringfa4.shard, cu_seqlens on the GPU) and calls the public ringfa4.ring_attention forward and
-backward through autograd, as a model's layer does; the dense causal ring (zigzag) and the mixes
-in document_balanced, each first checked against one GPU's ringfa4.attention on the full
-sequence. A case's calls are timed back to back (as many as fill ~100 ms, the same count on every
-rank), the round's time the slowest rank's (Timer with the process group); peak memory is the
-largest rank's.
+--smoke; rows in documents_ring_ranks[_wW][_seedS].json, W and S named where not 2 and 0): every
+rank makes the same inputs, takes its shard (ringfa4.shard, cu_seqlens on the GPU) and calls the
+public ringfa4.ring_attention forward and backward through autograd, as a model's layer does; the
+dense causal ring (zigzag) and the mixes in document_balanced, each first checked against one
+GPU's ringfa4.attention on the full sequence. A case's calls are timed back to back (as many as
+fill ~100 ms, the same count on every rank), the round's time the slowest rank's (Timer with the
+process group); peak memory is the largest rank's.
 """
 import inspect
 import math
@@ -295,7 +295,9 @@ def ranks_main(args):
     if args.part != "ring":
         raise SystemExit("under torchrun bench/documents.py runs the ring only: pass --part ring")
     with launch.process_group("cpu" if args.smoke else "cuda", rank, world, int(os.environ["LOCAL_RANK"])) as device:
-        path = measure.output_dir(args) / "documents_ring_ranks.json" if rank == 0 else None
+        # one file per ring size and seed, so that runs into one --out-dir keep each other's rows
+        name = "documents_ring_ranks" + (f"_w{world}" if world != 2 else "") + (f"_seed{args.seed}" if args.seed else "")
+        path = measure.output_dir(args) / f"{name}.json" if rank == 0 else None
         ranks_ring_rows(args, device, torch.float32 if args.smoke else torch.bfloat16, measure.Rows(path))
 
 
