@@ -20,7 +20,7 @@ from ringfa4.backends.cute.configs import (VARIANTS, DqPostprocessConfig, MergeC
                                            fwd_variant)
 
 
-SUBSET = (r"^fwd_sm90_|^bwd_sm90_bf16_d(64_m128|128_m64)_(full|causal)_atomic_dkvstore(_docs_docorder)?$"
+SUBSET = (r"^fwd_sm90_|^bwd_sm90_bf16_d(64_m128|128_m64)_(full|causal)_atomic_dkvstore(_docs_docorder)?_stagger$"
           r"|^bwd_sm90_bf16_d128_m64_causal_det_dkvadd32_docs$|^bwd_sm90_bf16_d128_m80_full_det_dkvstore$")
 
 
@@ -44,6 +44,8 @@ def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_shipped_variants(tmp_path):
     # d64 and d128 x causal or not, without and with documents; 2 deterministic (one 80-row)
     assert sum(v.name.startswith("bwd_") for v in chosen) == 10
     assert sum(v.name.startswith("bwd_") and "_docs" in v.name for v in chosen) == 5
+    # the default mode's warp groups staggered, the deterministic mode's in lockstep
+    assert sum(v.name.startswith("bwd_") and v.name.endswith("_stagger") for v in chosen) == 8
     lines = [line for line in run.stdout.splitlines() if line.strip()]
     assert len(lines) == len(chosen)
     for variant in chosen:

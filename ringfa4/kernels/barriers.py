@@ -12,3 +12,4 @@ class BwdBarrier(enum.IntEnum):
     DQ_FULL = 2  # + warp group: its dQ part is in shared memory (MMA warp group -> dQ warp)
     DQ_EMPTY = 4  # + warp group: its dQ buffer may be overwritten (dQ warp -> MMA warp group)
     EPILOGUE = 6  # MMA warp groups: the tiles are free for / hold the staged dK, dV
+    DS_READY = 7  # + 3 * warp group + dS buffer, staggered: that group's dS is in the buffer

@@ -6,6 +6,7 @@ precision (fp16/bf16 matmuls, fp32 softmax) against fp64, plus 1e-4 absolute.
 import math
 import os
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -121,6 +122,29 @@ def test_query_heads_split_over_ctas_when_kv_blocks_are_few(b, s, h, hk, d, caus
     if deterministic:
         for name, a, c in zip("dq dk dv".split(), first, cute_backend.backward(
                 dout, q, k, v, out, lse, causal, scale, deterministic=True)):
+            assert torch.equal(a, c), f"{name} differs between two deterministic runs"
+
+
+@pytest.mark.parametrize("staggered", [False, True], ids=["lockstep", "staggered"])
+@pytest.mark.parametrize("b,s,h,hk,d,causal,deterministic", [
+    (2, 1000, 4, 2, 128, True, False), (1, 777, 4, 4, 64, True, False), (2, 555, 4, 4, 64, False, False),
+    (1, 1500, 8, 2, 64, True, True), (1, 2048, 32, 8, 128, True, False)])
+def test_warp_groups_in_lockstep_or_staggered_match_fp64(monkeypatch, staggered, b, s, h, hk, d, causal,
+                                                          deterministic):
+    """The MMA warp groups meeting at every step or a dQ product apart (BwdSm90Config.staggered
+    forced), short and ragged walks, GQA, split heads, deterministic bits run to run."""
+    defaults = cute_backend.interface.bwd_defaults
+    monkeypatch.setattr(cute_backend.interface, "bwd_defaults",
+                        lambda *args: replace(defaults(*args), staggered=staggered))
+    q, k, v, dout = _inputs(b, s, s, h, hk, d, torch.bfloat16, seed=s + d)
+    out, lse, g64, glow = _references(q, k, v, dout, causal, d ** -0.5)
+    _poison_allocator(q, k, v, q.float())
+    grads = cute_backend.backward(dout, q, k, v, out, lse, causal, None, deterministic=deterministic)
+    for name, got, r64, rlow in zip("dq dk dv".split(), grads, g64, glow):
+        _assert_close(name, got, r64, rlow)
+    if deterministic:
+        again = cute_backend.backward(dout, q, k, v, out, lse, causal, None, deterministic=True)
+        for name, a, c in zip("dq dk dv".split(), grads, again):
             assert torch.equal(a, c), f"{name} differs between two deterministic runs"
 
 

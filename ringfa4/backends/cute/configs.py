@@ -72,6 +72,10 @@ class BwdSm90Config:
     # With documents: CTAs launched in a host-given order, document by document, the document
     # with the longest walk first (not deterministic: its waits rely on the grid's order).
     doc_order: bool = False
+    # The MMA warp groups a dQ product apart instead of meeting at every step (the kernel's
+    # docstring): each waits only for a dS the other stored a while ago. Needs a third dS
+    # buffer, which 80-row tiles have no shared memory for.
+    staggered: bool = False
 
     @property
     def name(self) -> str:
@@ -79,7 +83,7 @@ class BwdSm90Config:
                 f"_{'causal' if self.causal else 'full'}"
                 f"_{'det' if self.deterministic else 'atomic'}"
                 f"_{'dkvadd32' if self.dkv_fp32 else 'dkvstore'}" + ("_docs" if self.has_docs else "")
-                + ("_docorder" if self.doc_order else ""))
+                + ("_docorder" if self.doc_order else "") + ("_stagger" if self.staggered else ""))
 
 
 @dataclass(frozen=True)
@@ -192,9 +196,11 @@ def bwd_defaults(dtype: str, head_dim: int, tile_m: int, causal: bool, determini
     """The backward kernel `backward` uses over query tiles of tile_m rows (query_tile(), or a
     ring's query state's): with documents and a free launch order (not deterministic),
     document by document, longest walk first (bench/RESULTS.md, "The backward's launch order
-    with documents")."""
+    with documents"); staggered warp groups wherever the tiles leave room for them (64 and 128
+    rows; bench/RESULTS.md, "Staggered warp groups in the backward")."""
     return BwdSm90Config(dtype, head_dim, tile_m, causal, deterministic, dkv_fp32, has_docs,
-                         doc_order=has_docs and not deterministic)
+                         doc_order=has_docs and not deterministic,
+                         staggered=not deterministic and tile_m % 64 == 0)
 
 
 def fwd_variant(dtype: str, head_dim: int, causal: bool, **overrides) -> FwdSm90Config:
