@@ -26,7 +26,8 @@ groups run in phase: both wait on the exp2s and dS while the tensor cores idle, 
 their products. Staggered (the default where a third dS buffer fits), group 0 multiplies a
 step's dS into dQ one step late, behind its next dS, and group 1 at once: each then waits only
 for a dS the other stored a while ago (a named barrier per group and dS buffer), so the groups
-drift apart and one's exp2s run under the other's products (4-8% faster on an H100).
+drift apart and one's exp2s run under the other's products (on an H100 4% faster over 15
+shapes, geometric mean, up to 8%; bench/RESULTS.md).
 
 dQ is accumulated in "fragment order": each warp group's half of a dQ tile is one contiguous
 block of (tile_m * head_dim / 2) floats in the order its threads hold them, four registers of
