@@ -197,7 +197,8 @@ def bwd_defaults(dtype: str, head_dim: int, tile_m: int, causal: bool, determini
     ring's query state's): with documents and a free launch order (not deterministic),
     document by document, longest walk first (bench/RESULTS.md, "The backward's launch order
     with documents"); staggered warp groups wherever the tiles leave room for them (64 and 128
-    rows; bench/RESULTS.md, "Staggered warp groups in the backward")."""
+    rows), but not deterministic, whose ordered dQ reductions would wait for group 0's late part
+    (bench/RESULTS.md, "Staggered warp groups in the backward")."""
     return BwdSm90Config(dtype, head_dim, tile_m, causal, deterministic, dkv_fp32, has_docs,
                          doc_order=has_docs and not deterministic,
                          staggered=not deterministic and tile_m % 64 == 0)
