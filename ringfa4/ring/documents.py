@@ -251,9 +251,8 @@ class RingDocuments:
                 seen = [d for d, (first, _) in keys.items()
                         if any(d in self._spans[r][row] and (not causal or first < self._spans[r][row][d][1])
                                for r in readers)]
-                rows = np.flatnonzero(np.isin(ids, seen))
-                if rows.size:
-                    ranges.append((int(rows[0]), int(rows[-1]) + 1))
+                if seen:  # ids are nondecreasing: the first seen document's rows come first
+                    ranges.append((int(_rows_of(ids, min(seen))[0]), int(_rows_of(ids, max(seen))[1])))
             if len(self._ids[source]) > 1 and ranges:
                 ranges = [(0, local_len)]
             self._carried[key] = (slice(min(a for a, _ in ranges), max(b for _, b in ranges)) if ranges
