@@ -789,11 +789,12 @@ class AttentionBackwardSm90:
         return ds
 
     @cute.jit
-    def _store_ds(self, ops, ds, stage):
-        """dS^T registers -> dS in shared memory, the dQ product's A operand. dS is double
-        buffered by pipeline stage: the buffer written here was last read by the dQ product two
-        steps ago, which both warp groups finished before the PDS barrier of the previous step."""
-        cute.copy(ops.r2s_ds, ops.thr_r2s_ds.retile(ds), ops.tdSs[None, None, None, stage])
+    def _store_ds(self, ops, ds, buf):
+        """dS^T registers -> dS in shared memory buffer ``buf``, the dQ product's A operand. In
+        lockstep dS is double buffered by pipeline stage: the buffer written here was last read by
+        the dQ product two steps ago, which both warp groups finished before the PDS barrier of
+        the previous step. Staggered, the buffers go by step (DS_BUFFERS says why three)."""
+        cute.copy(ops.r2s_ds, ops.thr_r2s_ds.retile(ds), ops.tdSs[None, None, None, buf])
 
     @cute.jit
     def _hand_dq(self, ops, acc_dq):
