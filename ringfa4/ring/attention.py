@@ -86,6 +86,28 @@ def _add(dkv, grads):
             acc[:, rows].add_(t)
 
 
+def _whole(grads, length):
+    """[dk, dv] of a step's calls when one call covers the block's ``length`` rows, else None."""
+    return grads[0][1] if len(grads) == 1 and grads[0][0] == slice(0, length) else None
+
+
+def _zeros_at(kv, dtype, rows):
+    """Sums for a block, zero at ``rows``: the rows its transfers carry (the others are never
+    sent, and the local step zeroes them in the rank's own sums), or all of them."""
+    sums = _empty_like(kv, dtype)
+    for t in sums:
+        t[:, rows].zero_()
+    return sums
+
+
+def _added_at(dkv, received, rows):
+    """``dkv`` with ``received`` added at ``rows`` (the same bits as adding dkv into received,
+    zero elsewhere: each row gets one add or none, and adds commute)."""
+    for acc, t in zip(dkv, received):
+        acc[:, rows].add_(t[:, rows])
+    return dkv
+
+
 def ring_forward(backend, q, k, v, causal, softmax_scale, ring, layout, docs=None):
     """(out, lse, the last KV block held), the block being what the backward starts with.
 
@@ -156,11 +178,12 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
                 **_fresh_sums(kv, step, sum_dtype, ids), **call_kwargs(ids),
             )
             grads.append((step.kv, g))
+        whole = _whole(grads, k.shape[1])
         if j == 0:  # this block's sums start here
-            if len(grads) == 1 and grads[0][0] == slice(0, k.shape[1]):
-                dkv = [g.to(sum_dtype) for g in grads.pop()[1]]
+            if whole is not None:
+                dkv = [g.to(sum_dtype) for g in whole]
             else:
-                dkv = [torch.zeros_like(t, dtype=sum_dtype) for t in kv]
+                dkv = _zeros_at(kv, sum_dtype, slice(0, k.shape[1]) if local else held)
                 _add(dkv, grads)
             inbox = _empty_like(dkv)
         timeline.end(started, "bwd", j, "compute")
@@ -171,9 +194,13 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
             dkv, inbox = inbox, dkv
             if local and held != slice(0, k.shape[1]):
                 # The rows no transfer carried hold another block's sums; the rank's dK, dV has none there.
-                for t in dkv:
-                    t[:, :held.start].zero_()
-                    t[:, held.stop:].zero_()
+                if whole is not None:  # its own gradients, and what came home added at the carried rows
+                    dkv = _added_at([g.to(sum_dtype) for g in whole], dkv, held)
+                    grads = []
+                else:
+                    for t in dkv:
+                        t[:, :held.start].zero_()
+                        t[:, held.stop:].zero_()
             _add(dkv, grads)
         if not local:
             dkv_works = _transfer(ring, "bwd", dkv, held, inbox, arriving, tag=1, span=("bwd", j, "dkv"))
