@@ -506,11 +506,15 @@ class AttentionBackwardSm90:
         part_bytes = self.dq_part * Float32.width // 8
         for step in cutlass.range(num_steps, unroll=1):
             head, m_block = steps.coords(step)
-            if const_expr(not self.deterministic):
-                self._dq_free(lane)
-            else:
-                if step == 0:
-                    self._dq_free(lane)
+            for wg in cutlass.range_constexpr(NUM_MMA_WG):
+                if const_expr(not self.deterministic):
+                    if lane == 0:
+                        # The previous reduction out of this buffer must have read it.
+                        cute.arch.cp_async_bulk_wait_group(NUM_MMA_WG - 1 - wg, read=True)
+                    cute.arch.sync_warp()
+                cute.arch.barrier_arrive(barrier_id=BwdBarrier.DQ_EMPTY + wg,
+                                         number_of_threads=WG_THREADS + 32)
+            if const_expr(self.deterministic):
                 # Wait for the KV blocks that add into this dQ tile before this one: blocks
                 # 0 .. n_block-1, or for causal the blocks after this one (descending order).
                 turn = n_block
@@ -536,22 +540,9 @@ class AttentionBackwardSm90:
                                          part_bytes)
                     cute.arch.cp_async_bulk_commit_group()
             if const_expr(self.deterministic):
-                # The buffers go back once read, before the reductions land and the turn passes:
-                # the MMA warp groups write the next dQ part meanwhile.
-                if step + 1 < num_steps:
-                    self._dq_free(lane)
                 pass_turn(sem_ptr)  # both parts landed before the next KV block may add
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
-
-    @cute.jit
-    def _dq_free(self, lane):
-        """Hand each group's dQ buffer back to it once the last reduction out of it has read it."""
-        for wg in cutlass.range_constexpr(NUM_MMA_WG):
-            if lane == 0:
-                cute.arch.cp_async_bulk_wait_group(NUM_MMA_WG - 1 - wg, read=True)
-            cute.arch.sync_warp()
-            cute.arch.barrier_arrive(barrier_id=BwdBarrier.DQ_EMPTY + wg, number_of_threads=WG_THREADS + 32)
 
     @cute.jit
     def _rotated_turn(self, n_block, m_block, num_n_blocks, num_m_blocks, rotation):
