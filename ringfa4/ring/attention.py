@@ -92,8 +92,8 @@ def _whole(grads, length):
 
 
 def _zeros_at(kv, dtype, rows):
-    """Sums for a block, zero at ``rows``: the rows its transfers carry (the others are never
-    sent, and the local step zeroes them in the rank's own sums), or all of them."""
+    """Sums for a block, zero at ``rows``: the rows its transfers carry (no other row is sent,
+    nor taken into the rank's own sums at the local step), or all of them."""
     sums = _empty_like(kv, dtype)
     for t in sums:
         t[:, rows].zero_()
