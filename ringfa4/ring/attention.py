@@ -86,9 +86,12 @@ def _add(dkv, grads):
             acc[:, rows].add_(t)
 
 
-def _whole(grads, length):
-    """[dk, dv] of a step's calls when one call covers the block's ``length`` rows, else None."""
-    return grads[0][1] if len(grads) == 1 and grads[0][0] == slice(0, length) else None
+def _whole(grads, length, dtype):
+    """[dk, dv] of a step's calls in ``dtype`` when one call covers the block's ``length`` rows,
+    else None."""
+    if len(grads) == 1 and grads[0][0] == slice(0, length):
+        return [g.to(dtype) for g in grads[0][1]]
+    return None
 
 
 def _zeros_at(kv, dtype, rows):
@@ -178,11 +181,9 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
                 **_fresh_sums(kv, step, sum_dtype, ids), **call_kwargs(ids),
             )
             grads.append((step.kv, g))
-        whole = _whole(grads, k.shape[1])
         if j == 0:  # this block's sums start here
-            if whole is not None:
-                dkv = [g.to(sum_dtype) for g in whole]
-            else:
+            dkv = _whole(grads, k.shape[1], sum_dtype)
+            if dkv is None:
                 dkv = _zeros_at(kv, sum_dtype, slice(0, k.shape[1]) if local else held)
                 _add(dkv, grads)
             inbox = _empty_like(dkv)
@@ -194,9 +195,9 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
             dkv, inbox = inbox, dkv
             if local and held != slice(0, k.shape[1]):
                 # The rows no transfer carried hold another block's sums; the rank's dK, dV has none there.
-                if whole is not None:  # its own gradients, and what came home added at the carried rows
-                    dkv = _added_at([g.to(sum_dtype) for g in whole], dkv, held)
-                    grads = []
+                own = _whole(grads, k.shape[1], sum_dtype)
+                if own is not None:  # its own gradients, and what came home added at the carried rows
+                    dkv, grads = _added_at(own, dkv, held), []
                 else:
                     for t in dkv:
                         t[:, :held.start].zero_()
