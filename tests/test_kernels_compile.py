@@ -1,7 +1,7 @@
 """The CuTe kernels compile for Hopper on a machine without a GPU, and the cute backend names
 what it cannot run (ringfa4.api raises it; tests/test_bad_input.py).
 
-The 120 shipped attention variants (half of them with documents) take ~5 min to compile on 2
+The 124 shipped attention variants (60 with documents) take ~5 min to compile on 2
 cores (the 14 backward pre- and postprocess variants a few seconds), so CI compiles a
 representative subset (SUBSET, ~1.5 min): every forward variant, with and without documents,
 and one backward variant per (head_dim, causal) in bf16 with and without documents, plus the
@@ -20,7 +20,7 @@ from ringfa4.backends.cute.configs import (VARIANTS, DqPostprocessConfig, MergeC
                                            fwd_variant)
 
 
-SUBSET = (r"^fwd_sm90_|^bwd_sm90_bf16_d(64_m128|128_m64)_(full|causal)_atomic_dkvstore(_docs_docorder)?_stagger$"
+SUBSET = (r"^fwd_sm90_|^bwd_sm90_bf16_d(64_m128|128_m64)_(full|causal)_atomic_dkvstore(_docs_docorder|_wholekeys)?_stagger$"
           r"|^bwd_sm90_bf16_d128_m64_causal_det_dkvadd32_docs$|^bwd_sm90_bf16_d128_m80_full_det_dkvstore$")
 
 
@@ -41,11 +41,13 @@ def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_shipped_variants(tmp_path):
     assert sum(v.name.startswith("fwd_") and v.name.endswith("_order") for v in chosen) == 12
     assert sum(v.name.startswith("fwd_") and v.name.endswith("_docs_order") for v in chosen) == 6
     assert sum(v.name.startswith("fwd_") and "_gqa4" in v.name for v in chosen) == 12
-    # d64 and d128 x causal or not, without and with documents; 2 deterministic (one 80-row)
-    assert sum(v.name.startswith("bwd_") for v in chosen) == 10
+    # d64 and d128 x causal or not, without and with documents; 2 deterministic (one 80-row);
+    # d128 not causal without key mask (keys in whole K/V blocks)
+    assert sum(v.name.startswith("bwd_") for v in chosen) == 11
     assert sum(v.name.startswith("bwd_") and "_docs" in v.name for v in chosen) == 5
     # the default mode's warp groups staggered, the deterministic mode's in lockstep
-    assert sum(v.name.startswith("bwd_") and v.name.endswith("_stagger") for v in chosen) == 8
+    assert sum(v.name.startswith("bwd_") and v.name.endswith("_stagger") for v in chosen) == 9
+    assert sum(v.name.startswith("bwd_") and "_wholekeys" in v.name for v in chosen) == 1
     lines = [line for line in run.stdout.splitlines() if line.strip()]
     assert len(lines) == len(chosen)
     for variant in chosen:
@@ -321,6 +323,24 @@ def test_backward_keeps_the_grids_launch_order_where_it_is_relied_on_or_meaningl
     for deterministic, has_docs in ((True, True), (False, False)):
         with pytest.raises(ValueError, match="doc_order"):
             AttentionBackwardSm90(BFloat16, 128, 64, True, deterministic, BFloat16, has_docs, doc_order=True)
+
+
+def test_backward_drops_its_key_mask_only_for_keys_in_whole_blocks_at_head_dim_128():
+    """The variant without key mask is chosen where the host knows seqlen_k fills whole K/V
+    blocks, not causal, in the default mode at head dim 128 (where it measured faster), and
+    refused with documents, whose masks it would drop."""
+    from cutlass import BFloat16
+
+    from ringfa4.backends.cute.configs import bwd_defaults
+    from ringfa4.kernels.bwd_sm90 import AttentionBackwardSm90
+
+    assert bwd_defaults("bf16", 128, 64, False, False, False, False, True).whole_keys
+    for args in ((128, 64, False, False, False, False, False), (128, 64, True, False, False, False, True),
+                 (128, 80, False, True, False, False, True), (128, 64, False, False, False, True, True),
+                 (64, 128, False, False, False, False, True)):
+        assert not bwd_defaults("bf16", *args).whole_keys, args
+    with pytest.raises(ValueError, match="whole_keys"):
+        AttentionBackwardSm90(BFloat16, 128, 64, False, False, BFloat16, True, whole_keys=True)
 
 
 @pytest.mark.parametrize("tile_m", [64, 128, 192])

@@ -130,7 +130,8 @@ class AttentionBackwardSm90:
     num_threads = (NUM_MMA_WG + 1) * WG_THREADS
 
     def __init__(self, dtype, head_dim: int, tile_m: int, causal: bool, deterministic: bool,
-                 dkv_dtype, has_docs: bool = False, doc_order: bool = False, staggered: bool = False):
+                 dkv_dtype, has_docs: bool = False, doc_order: bool = False, staggered: bool = False,
+                 whole_keys: bool = False):
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise ValueError(f"dtype must be Float16 or BFloat16, got {dtype}")
         if head_dim not in (64, 128):
@@ -143,6 +144,8 @@ class AttentionBackwardSm90:
             raise ValueError("doc_order needs has_docs and not deterministic (whose waits rely on the grid's order)")
         if staggered and parts_transposed(tile_m):
             raise ValueError(f"staggered warp groups' third dS buffer does not fit shared memory with {tile_m}-row tiles")
+        if whole_keys and has_docs:
+            raise ValueError("whole_keys is for calls without documents, whose masks come from the documents")
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -150,6 +153,10 @@ class AttentionBackwardSm90:
         self.dkv_dtype = dkv_dtype
         self.has_docs = has_docs
         self.doc_order = doc_order
+        # The caller's promise that seqlen_k is a whole number of K/V blocks: not causal, the
+        # kernel then has no mask code, whose selects ptxas issues at every step, needed or not
+        # (it if-converts the branch; 1-2% at head dim 128, bench/RESULTS.md).
+        self.whole_keys = whole_keys
         # Rotated walks (see the module docstring) replace the non-causal reduction order.
         self.rotates = deterministic and not causal
         self.tile_n = 64 * NUM_MMA_WG
@@ -756,7 +763,7 @@ class AttentionBackwardSm90:
             if needs_mask:
                 self.attention_mask.apply(s_mn, ops.cS, ops.cS0, m_block, n_block, seqlen_k,
                                           ops.key_lo, ops.key_hi)
-        else:
+        elif const_expr(self.causal or not self.whole_keys):
             if needs_mask:
                 self.attention_mask.apply(s_mn, ops.cS, ops.cS0, m_block, n_block, seqlen_k)
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):

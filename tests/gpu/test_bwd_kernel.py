@@ -148,6 +148,26 @@ def test_warp_groups_in_lockstep_or_staggered_match_fp64(monkeypatch, staggered,
             assert torch.equal(a, c), f"{name} differs between two deterministic runs"
 
 
+@pytest.mark.parametrize("b,sq,sk,h,hk", [(2, 1000, 1024, 4, 2), (1, 2048, 4096, 32, 8)])
+def test_keys_in_whole_blocks_skip_the_mask_with_the_same_dk_dv(monkeypatch, b, sq, sk, h, hk):
+    """Not causal, with seqlen_k a whole number of K/V blocks the kernel has no key mask
+    (BwdSm90Config.whole_keys): the masked variant's dK, dV bit for bit, all against fp64."""
+    d = 128
+    q, k, v, dout = _inputs(b, sq, sk, h, hk, d, torch.bfloat16, seed=sq + h)
+    out, lse, g64, glow = _references(q, k, v, dout, False, d ** -0.5)
+    _poison_allocator(q, k, v, q.float())
+    assert cute_backend.interface.bwd_defaults("bf16", d, 64, False, False, False, False, True).whole_keys
+    unmasked = cute_backend.backward(dout, q, k, v, out, lse, False, None)
+    for name, got, r64, rlow in zip("dq dk dv".split(), unmasked, g64, glow):
+        _assert_close(name, got, r64, rlow)
+    defaults = cute_backend.interface.bwd_defaults
+    monkeypatch.setattr(cute_backend.interface, "bwd_defaults",
+                        lambda *args: replace(defaults(*args), whole_keys=False))
+    masked = cute_backend.backward(dout, q, k, v, out, lse, False, None)
+    for name, a, c in zip(("dk", "dv"), unmasked[1:], masked[1:]):
+        assert torch.equal(a, c), name
+
+
 @pytest.mark.parametrize("lpt", [False, True], ids=["grid_order", "longest_first"])
 def test_causal_launch_orders_give_the_same_gradients(monkeypatch, lpt):
     """Both launch orders of the causal backward (interface.launches_lpt forced), with a batch of

@@ -76,6 +76,8 @@ class BwdSm90Config:
     # docstring): each waits only for a dS the other stored a while ago. Needs a third dS
     # buffer, which 80-row tiles have no shared memory for.
     staggered: bool = False
+    # seqlen_k is a whole number of K/V blocks (the host checks): no key mask unless causal.
+    whole_keys: bool = False
 
     @property
     def name(self) -> str:
@@ -83,7 +85,8 @@ class BwdSm90Config:
                 f"_{'causal' if self.causal else 'full'}"
                 f"_{'det' if self.deterministic else 'atomic'}"
                 f"_{'dkvadd32' if self.dkv_fp32 else 'dkvstore'}" + ("_docs" if self.has_docs else "")
-                + ("_docorder" if self.doc_order else "") + ("_stagger" if self.staggered else ""))
+                + ("_docorder" if self.doc_order else "") + ("_wholekeys" if self.whole_keys else "")
+                + ("_stagger" if self.staggered else ""))
 
 
 @dataclass(frozen=True)
@@ -192,16 +195,21 @@ def query_tiles(head_dim: int, deterministic: bool) -> tuple:
 
 
 def bwd_defaults(dtype: str, head_dim: int, tile_m: int, causal: bool, deterministic: bool,
-                 dkv_fp32: bool, has_docs: bool = False) -> BwdSm90Config:
+                 dkv_fp32: bool, has_docs: bool = False, whole_key_blocks: bool = False) -> BwdSm90Config:
     """The backward kernel `backward` uses over query tiles of tile_m rows (query_tile(), or a
     ring's query state's): with documents and a free launch order (not deterministic),
     document by document, longest walk first (bench/RESULTS.md, "The backward's launch order
     with documents"); staggered warp groups wherever the tiles leave room for them (64 and 128
     rows), but not deterministic, whose ordered dQ reductions would wait for group 0's late part
-    (bench/RESULTS.md, "Staggered warp groups in the backward")."""
+    (bench/RESULTS.md, "Staggered warp groups in the backward"). Keys that fill whole K/V blocks
+    (``whole_key_blocks``) take the variant without key mask at head dim 128 in the default mode,
+    not causal (1.003-1.021x; none at head dim 64: bench/RESULTS.md, "The non-causal backward
+    without mask code")."""
     return BwdSm90Config(dtype, head_dim, tile_m, causal, deterministic, dkv_fp32, has_docs,
                          doc_order=has_docs and not deterministic,
-                         staggered=not deterministic and tile_m % 64 == 0)
+                         staggered=not deterministic and tile_m % 64 == 0,
+                         whole_keys=whole_key_blocks and head_dim == 128
+                         and not (causal or deterministic or has_docs))
 
 
 def fwd_variant(dtype: str, head_dim: int, causal: bool, **overrides) -> FwdSm90Config:
@@ -225,8 +233,10 @@ VARIANTS = (
     + [DqPostprocessConfig(dt, d, m, add)
        for d in _HEAD_DIMS for m in query_tiles(d, True)
        for dt, add in (("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True), ("fp32", True))]
-    + [bwd_defaults(dt, d, m, c, det, f32, docs)
-       for docs in (False, True) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)
-       for det in (False, True) for m in query_tiles(d, det) for f32 in (False, True)]
+    + list(dict.fromkeys(
+        bwd_defaults(dt, d, m, c, det, f32, docs, whole)
+        for docs in (False, True) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)
+        for det in (False, True) for m in query_tiles(d, det) for f32 in (False, True)
+        for whole in (False, True)))
     + [MergeConfig(out, part, d) for part in _DTYPES for out in (part, "fp32") for d in _HEAD_DIMS]
 )

@@ -490,7 +490,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         counters = torch.zeros(b * (h * n_m + hk * n_n), dtype=torch.int32, device=q.device)
         sems = (counters[:b * h * n_m].view(b, h, n_m), counters[b * h * n_m:].view(b, hk, n_n))
     config = bwd_defaults(DTYPE_NAMES[q.dtype], d, tile_m, bool(causal), bool(deterministic),
-                          dk_out.dtype == torch.float32, doc_ids is not None)
+                          dk_out.dtype == torch.float32, doc_ids is not None, sk % key_tile() == 0)
     if doc_order is not None:
         config = replace(config, doc_order=doc_order)
     docs = (None,) * 5
