@@ -279,6 +279,42 @@ def test_backward_document_ranges_cover_every_visible_pair_and_order_each_tile(c
 
 
 @pytest.mark.parametrize("causal", [False, True])
+def test_backward_key_ranges_hold_exactly_the_visible_pairs_and_leave_only_whole_tiles_unmasked(causal):
+    """visible_blocks' per-key query ranges, as the backward kernel's mask reads them: query q
+    sees key k iff query_lo[k] <= q < query_hi[k]; and a (query tile, K/V block) whose queries
+    lie in [lo of the block's last key, hi of its first key), the kernel's test for skipping
+    the mask, holds only visible pairs. Random documents, empty ones included."""
+    from ringfa4.backends.cute.interface import visible_blocks
+    from ringfa4.backends.cute.launch import key_tile
+
+    gen = torch.Generator().manual_seed(7 + causal)
+    tile_n, tile_m = key_tile(), 64
+    for _ in range(40):
+        sq = int(torch.randint(1, 600, (), generator=gen))
+        sk = sq if causal else int(torch.randint(1, 600, (), generator=gen))
+        docs = int(torch.randint(1, 12, (), generator=gen))
+        q_len, k_len = (torch.bincount(torch.randint(0, docs, (n,), generator=gen), minlength=docs) for n in (sq, sk))
+        if not causal:
+            q_len, k_len = _some_missing(q_len, gen), _some_missing(k_len, gen)
+        q_ids, k_ids = _document_ids(q_len.tolist()), _document_ids(k_len.tolist())
+        sq, sk = q_ids.shape[1], k_ids.shape[1]
+        seen = q_ids[0, :, None] == k_ids[0, None, :]
+        if causal:
+            seen &= torch.ones(sq, sk, dtype=torch.bool).tril()
+        query_lo, query_hi, _, _ = visible_blocks((q_ids, k_ids), causal, tile_m)
+        assert query_lo.dtype == query_hi.dtype == torch.int32 and query_lo.shape == (1, sk)
+        q = torch.arange(sq)[:, None]
+        assert torch.equal((query_lo[0] <= q) & (q < query_hi[0]), seen)
+        for n in range(-(-sk // tile_n)):
+            first_key, last_key = n * tile_n, min((n + 1) * tile_n, sk) - 1
+            block_lo, block_hi = int(query_lo[0, last_key]), int(query_hi[0, first_key])
+            for m in range(-(-sq // tile_m)):
+                first, last = m * tile_m, min((m + 1) * tile_m, sq) - 1
+                if first >= block_lo and last < block_hi:
+                    assert seen[first:last + 1, first_key:last_key + 1].all(), (n, m)
+
+
+@pytest.mark.parametrize("causal", [False, True])
 def test_backward_launch_order_runs_every_cta_once_document_by_document_longest_walk_first(causal):
     """launch_order (host side, plain torch): a permutation of the (kv slot, KV block) CTAs; the
     CTAs of a document (of its blocks' first keys) are consecutive, every kv slot's run of

@@ -52,9 +52,9 @@ CTA waits. With documents, rows that are one document walk rotated (the same bit
 Packed documents (has_docs, one variant for every boundary set): a CTA walks only the query
 tiles its keys' documents reach (from the host, with per query tile the run of K/V blocks that
 reach it, which orders deterministic mode's reductions); a CTA no query reaches walks none and
-writes dK = dV = 0. A tile whose queries all lie in one document that holds the whole K/V block
-(and, causal, below the diagonal) runs unmasked; the others are masked by each query's visible
-key range.
+writes dK = dV = 0. A tile whose queries every key of the K/V block sees (one document holding both,
+and, causal, below the diagonal) runs unmasked; the others are masked by each key's visible
+query range, read once per CTA.
 
 Launch order (not deterministic): the kernel lasts until its last long walk ends, and the grid's
 order (a batch row's KV blocks fastest, then its kv heads) reaches the longest causal walks of its
@@ -177,8 +177,7 @@ class AttentionBackwardSm90:
         self.dq_cols = head_dim if self.dq_split_rows else head_dim // NUM_MMA_WG
         self.dq_part = self.tile_m * head_dim // NUM_MMA_WG
         self.mma_regs = 240
-        self.attention_mask = AttentionMask(self.tile_m, self.tile_n, causal, key_first=True,
-                                            has_docs=has_docs)
+        self.attention_mask = AttentionMask(self.tile_m, self.tile_n, causal, key_first=True)
         self.load_regs = 24
         # hdim 128, 64-row tiles: the lse goes into registers while S^T is computed (loaded
         # after S^T's wait, the first exp2 stalls on the shared-memory load: ~10% of the
@@ -245,7 +244,7 @@ class AttentionBackwardSm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE: cute.Tensor, mDelta: cute.Tensor, mdQ: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, mSem: Optional[cute.Tensor],
-                 mKeyLo: Optional[cute.Tensor], mKeyHi: Optional[cute.Tensor],
+                 mQueryLo: Optional[cute.Tensor], mQueryHi: Optional[cute.Tensor],
                  mQueryBlocks: Optional[cute.Tensor], mKeyBlocks: Optional[cute.Tensor],
                  mOrder: Optional[cute.Tensor], mSemKV: Optional[cute.Tensor],
                  softmax_scale: Float32, head_splits: Int32, rotate: Int32, lpt: Int32, stream):
@@ -254,8 +253,8 @@ class AttentionBackwardSm90:
         sq tiles * tile_m * head_dim) fp32 in fragment order (dq_layout.py; added into); dk, dv
         (b, sk, hk, d) of dkv_dtype; sem (b, h, sq tiles) and sem_kv (b, hk, kv blocks) int32
         zeros when deterministic (the orders of dQ's and dK/dV's reductions), else None. With
-        has_docs (else None), int32: key_lo, key_hi (b, sq) each query's visible keys (its
-        document's); query_blocks (b, kv blocks, 2) the query tiles [first, end) each KV block
+        has_docs (else None), int32: query_lo, query_hi (b, sk) the queries each key is visible
+        to (its document's, from the key on when causal); query_blocks (b, kv blocks, 2) the query tiles [first, end) each KV block
         visits; key_blocks (b, query tiles, 2) the first and last KV block visiting each query tile
         (deterministic order), all from the host's visible_blocks; with doc_order, order (b,
         kv blocks * kv heads * head_splits) the CTAs' launch order, each kv_slot * kv blocks +
@@ -321,7 +320,7 @@ class AttentionBackwardSm90:
             Int32(lpt),
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout, self.sdS_layout,
             self.sdKV_layout, self.mma_sdp, self.mma_dkv, self.mma_dq, Storage,
-            mKeyLo, mKeyHi, mQueryBlocks, mKeyBlocks, mOrder, mSemKV,
+            mQueryLo, mQueryHi, mQueryBlocks, mKeyBlocks, mOrder, mSemKV,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device side
@@ -341,7 +340,7 @@ class AttentionBackwardSm90:
                Storage: cutlass.Constexpr,
                # Last: the kernel's symbol names its leading arguments, and without documents
                # it stays the one it had before they existed.
-               mKeyLo: Optional[cute.Tensor], mKeyHi: Optional[cute.Tensor],
+               mQueryLo: Optional[cute.Tensor], mQueryHi: Optional[cute.Tensor],
                mQueryBlocks: Optional[cute.Tensor], mKeyBlocks: Optional[cute.Tensor],
                mOrder: Optional[cute.Tensor], mSemKV: Optional[cute.Tensor]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -405,11 +404,11 @@ class AttentionBackwardSm90:
         if const_expr(self.rotates):
             rotated = rotate
             if const_expr(self.has_docs):
-                # Only a row that is one document (its first and last queries see every key)
+                # Only a row that is one document (its first and last keys see every query)
                 # walks rotated, exactly as without documents, so that it gives the same bits.
-                last = seqlen_q - 1
-                if ((mKeyLo[batch, 0] != 0) | (mKeyLo[batch, last] != 0) | (mKeyHi[batch, 0] != seqlen_k)
-                        | (mKeyHi[batch, last] != seqlen_k)):
+                last = seqlen_k - 1
+                if ((mQueryLo[batch, 0] != 0) | (mQueryLo[batch, last] != 0) | (mQueryHi[batch, 0] != seqlen_q)
+                        | (mQueryHi[batch, last] != seqlen_q)):
                     rotated = Int32(0)
             if rotated != 0:
                 rotation = n_block * num_m_blocks // num_n_blocks
@@ -431,7 +430,7 @@ class AttentionBackwardSm90:
             acc_dK, acc_dV = self._mma(
                 sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, pipe_q, pipe_do, mbar_kv, mma_sdp,
                 mma_dkv, mma_dq, tidx - WG_THREADS, softmax_scale, scale_log2,
-                seqlen_q, seqlen_k, n_block, batch, mKeyLo, mKeyHi,
+                seqlen_q, seqlen_k, n_block, batch, mQueryLo, mQueryHi,
                 BwdStepScheduler(kv_slot * heads, m_block_min, steps_per_head, rotation),
                 num_steps)
             self._epilogue_dkv(acc_dK, acc_dV, tiles, sdKV_layout, tdK, tdV, tma_dk, tma_dv,
@@ -574,7 +573,7 @@ class AttentionBackwardSm90:
     def _mma(self, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ,
              pipe_q, pipe_do, mbar_kv, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma,
              mma_dq: cute.TiledMma, tidx, softmax_scale, scale_log2,
-             seqlen_q, seqlen_k, n_block, batch, mKeyLo, mKeyHi, steps: BwdStepScheduler,
+             seqlen_q, seqlen_k, n_block, batch, mQueryLo, mQueryHi, steps: BwdStepScheduler,
              num_steps):
         """The main loop of the MMA warp groups; returns this thread's dK, dV accumulators.
         Per query tile: S^T, dP^T; P^T (mask, exp2); dS^T; dS to shared memory; dV += P^T dO;
@@ -587,7 +586,7 @@ class AttentionBackwardSm90:
         methods a loop body calls as loop state, compile-time shapes included."""
         ops = self._mma_operands(sQ, sK, sV, sdO, sdS, sdQ, mma_sdp, mma_dkv, mma_dq, tidx)
         if const_expr(self.has_docs):
-            ops.key_lo, ops.key_hi = mKeyLo[batch, None], mKeyHi[batch, None]
+            self._key_ranges(ops, mQueryLo[batch, None], mQueryHi[batch, None], n_block, seqlen_k)
         args = (ops, sLSE, sDelta, pipe_q, pipe_do, mma_sdp, mma_dkv, mma_dq, softmax_scale, scale_log2,
                 seqlen_q, seqlen_k, n_block, steps)
 
@@ -743,27 +742,45 @@ class AttentionBackwardSm90:
         return vals
 
     @cute.jit
+    def _key_ranges(self, ops, query_lo, query_hi, n_block, seqlen_k):
+        """With documents, read once per CTA: per key column of this thread the queries that key
+        is visible to (ops.query_lo / query_hi; empty past seqlen_k), and [block_lo, block_hi),
+        the queries every key of the block sees: both ends are nondecreasing along the keys
+        (visible_blocks), so the last key's lo and the first key's hi."""
+        n_base = n_block * self.tile_n
+        cols = cute.size(ops.cS, mode=[1])
+        ops.query_lo = cute.make_rmem_tensor(cols, Int32)
+        ops.query_hi = cute.make_rmem_tensor(cols, Int32)
+        for c in cutlass.range_constexpr(cols):
+            key = n_base + ops.cS[0, c][0]
+            at = cutlass.min(key, seqlen_k - 1)
+            lo = query_lo[at]
+            ops.query_lo[c] = lo
+            ops.query_hi[c] = query_hi[at] if key < seqlen_k else lo
+        ops.block_lo = query_lo[cutlass.min(n_base + self.tile_n, seqlen_k) - 1]
+        ops.block_hi = query_hi[n_base]
+
+    @cute.jit
     def _probabilities(self, ops, acc_s, lse2, sLSE, stage, scale_log2, seqlen_q, seqlen_k,
                        m_block, n_block):
         """P^T = exp2(S^T * scale * log2(e) - lse2) in place in acc_s (masked entries give
         exp2(-inf) = 0), and P^T in 16 bits. Only a key block past seqlen_k, crossing the
-        causal diagonal or (has_docs) not inside the one document of every query of the tile
-        is masked."""
+        causal diagonal or (has_docs) with a query outside the range that every key of the
+        block sees (_key_ranges) is masked."""
         s_mn = acc_rows_view(acc_s, transpose=True)  # (query, key)
         n_base = n_block * self.tile_n
         needs_mask = n_base + self.tile_n > seqlen_k
-        if const_expr(self.causal):
-            needs_mask = needs_mask or (n_base + self.tile_n - 1 > m_block * self.tile_m)
         if const_expr(self.has_docs):
+            # (The key ranges hold the causal diagonal.)
             first = m_block * self.tile_m
             last = cutlass.min(first + self.tile_m, seqlen_q) - 1
-            lo, hi = ops.key_lo[first], ops.key_hi[last]
-            needs_mask = needs_mask or ((lo != ops.key_lo[last]) | (ops.key_hi[first] != hi)
-                                        | (n_base < lo) | (n_base + self.tile_n > hi))
+            needs_mask = needs_mask | (first < ops.block_lo) | (last >= ops.block_hi)
             if needs_mask:
-                self.attention_mask.apply(s_mn, ops.cS, ops.cS0, m_block, n_block, seqlen_k,
-                                          ops.key_lo, ops.key_hi)
+                self.attention_mask.apply_key_ranges(s_mn, ops.cS, ops.cS0, m_block, ops.query_lo,
+                                                     ops.query_hi)
         elif const_expr(self.causal or not self.whole_keys):
+            if const_expr(self.causal):
+                needs_mask = needs_mask or (n_base + self.tile_n - 1 > m_block * self.tile_m)
             if needs_mask:
                 self.attention_mask.apply(s_mn, ops.cS, ops.cS0, m_block, n_block, seqlen_k)
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):

@@ -13,7 +13,10 @@ position, the query heads of one kv head: a row's position is its index // rows_
 Documents come as each query's visible keys, [key_lo[q], key_hi[q]): with document ids
 nondecreasing along both sequences, the keys of one document are contiguous, so the id test
 q_ids[q] == k_ids[k] is the range test key_lo[q] <= k < key_hi[q] (an empty range when the
-document has no key here).
+document has no key here). A transposed product holds few keys per thread and many queries
+(the backward's S^T: 2 keys, tile_m / 4 queries), so there the test is from the other side,
+query_lo[k] <= q < query_hi[k], with ranges read once per CTA instead of once per query at
+every masked step (apply_key_ranges).
 """
 import cutlass
 import cutlass.cute as cute
@@ -62,3 +65,18 @@ class AttentionMask:
             else:
                 for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
                     s[r, c] = -Float32.inf if coords0[0, c][self.k_mode] >= limit else s[r, c]
+
+    @cute.jit
+    def apply_key_ranges(self, s: cute.Tensor, coords: cute.Tensor, coords0: cute.Tensor, m_block,
+                         query_lo: cute.Tensor, query_hi: cute.Tensor):
+        """s[r, c] = -inf where the query is outside [query_lo[c], query_hi[c]) (key_first):
+        query_lo / query_hi hold, per key column of this thread, the queries that key is visible
+        to, with causality and keys at or past seqlen_k (an empty range) folded in by the
+        caller. Two compile-time compares per score against per-column limits."""
+        # This thread's queries are thread 0's shifted by one offset: compare those.
+        base = coords[0, 0][self.q_mode] - coords0[0, 0][self.q_mode] + m_block * self.tile_m
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            low, limit = query_lo[c] - base, query_hi[c] - base
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                query = coords0[r, 0][self.q_mode]
+                s[r, c] = -Float32.inf if (query < low) | (query >= limit) else s[r, c]

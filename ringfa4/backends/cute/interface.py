@@ -161,27 +161,29 @@ def visible_keys(doc_ids, tile_m):
 
 
 def visible_blocks(doc_ids, causal, tile_m):
-    """What the backward kernel reads of doc_ids, all int32 on the GPU (no host sync):
-    visible_keys; per K/V block the query tiles [first, end) its keys' documents reach
-    (b, kv blocks, 2); per query tile the first and last K/V block reaching it (b, query
-    tiles, 2), the blocks whose dQ reductions a deterministic run orders. Both ends of a
-    block's range are nondecreasing in the block, so the blocks reaching a tile are one run."""
+    """What the backward kernel reads of doc_ids, all int32 on the GPU (no host sync): each
+    key's visible queries [query_lo, query_hi) (b, sk) each: its document's, causal from the key
+    on, empty keys' ranges kept inside their K/V block's (_tight); per K/V block the query tiles
+    [first, end) its keys' documents reach (b, kv blocks, 2); per query tile the first and last
+    K/V block reaching it (b, query tiles, 2), the blocks whose dQ reductions a deterministic
+    run orders. Both ends of a key's range are nondecreasing along the keys, so a block reaches
+    the queries from its first key's lo to its last key's hi, and the blocks reaching a tile
+    are one run."""
     def compute():
         tile_n = key_tile()
         q_ids, k_ids = (t.contiguous() for t in doc_ids)
         b, sq, sk = q_ids.shape[0], q_ids.shape[1], k_ids.shape[1]
+        lo, hi = _tight(*(torch.searchsorted(q_ids, k_ids, side=side) for side in ("left", "right")), tile_n)
+        if causal:
+            lo = torch.maximum(lo, torch.arange(sk, device=q_ids.device))
         first_key = torch.arange(0, sk, tile_n, device=q_ids.device)
         last_key = (first_key + tile_n).clamp(max=sk) - 1
-        # Queries of each key's document; a block reaches those of its first and last key that see any.
-        lo, hi = _tight(*(torch.searchsorted(q_ids, k_ids, side=side) for side in ("left", "right")), tile_n)
-        lo, hi = lo[:, first_key], hi[:, last_key]
-        if causal:
-            lo = torch.maximum(lo, first_key)
-        m_first, m_end = lo // tile_m, (torch.maximum(hi, lo) + tile_m - 1) // tile_m
+        block_lo, block_hi = lo[:, first_key], hi[:, last_key]
+        m_first, m_end = block_lo // tile_m, (torch.maximum(block_hi, block_lo) + tile_m - 1) // tile_m
         tiles = torch.arange((sq + tile_m - 1) // tile_m, device=q_ids.device).expand(b, -1).contiguous()
         first_block = torch.searchsorted(m_end.contiguous(), tiles, side="right")
         last_block = torch.searchsorted(m_first.contiguous(), tiles, side="right") - 1
-        return (*visible_keys(doc_ids, tile_m), torch.stack((m_first, m_end), -1).int(),
+        return (lo.int(), hi.int(), torch.stack((m_first, m_end), -1).int(),
                 torch.stack((first_block, last_block), -1).int())
     return _once(doc_ids, ("blocks", causal, tile_m), compute)
 
