@@ -410,7 +410,8 @@ def test_queries_that_see_nothing_do_not_widen_their_tiles_key_range(tile_m):
 def test_backward_splits_a_kv_heads_query_heads_only_where_kv_blocks_are_few():
     """head_splits (host side): a ring step's 4k causal square with 32/8 heads leaves the longest
     CTAs with a whole SM's share and splits; a 32k sequence, a batch of short sequences and MHA
-    do not; causal sequences from 64k keys at head dim 128 take one query head per CTA; a split
+    do not; causal sequences from 64k keys at head dim 128 take one query head per CTA, causal
+    documents from 32k rows in the longest (32k keys or more in all, 16k in the longest: not); a split
     always divides the group; deterministic mode takes one head per CTA for causal attention from
     2k keys (hdim 128; 16k with hdim 64) or where the default splits, and none otherwise."""
     from ringfa4.backends.cute.interface import head_splits
@@ -435,6 +436,11 @@ def test_backward_splits_a_kv_heads_query_heads_only_where_kv_blocks_are_few():
     assert head_splits(1, 4096, 4096, 32, 8, 128, True, True, sms) == 4  # where the default splits
     assert head_splits(1, 32768, 32768, 32, 8, 128, False, True, sms) == 1
     assert head_splits(1, 32768, 32768, 16, 16, 128, True, True, sms) == 1
+    # Causal documents: by the longest document, not the sequence.
+    assert head_splits(1, 131072, 131072, 32, 8, 128, True, False, sms, True, longest=16384) == 1
+    assert head_splits(1, 131072, 131072, 32, 8, 128, True, False, sms, True, longest=32768) == 4
+    assert head_splits(1, 131072, 131072, 32, 8, 128, True, False, sms, True) == 1
+    assert head_splits(1, 131072, 131072, 32, 8, 64, True, False, sms, True, longest=65536) == 1
 
 
 def test_backward_splits_less_at_head_dim_64_where_longest_walks_launch_first():

@@ -66,6 +66,28 @@ def test_attention_with_documents_matches_fp64(backend, dtype, head_dim, name):
         _assert_close(what, g, r, f"{name}, {dtype}, d={head_dim}")
 
 
+@pytest.mark.parametrize("name", sorted(BOUNDARIES))
+def test_causal_documents_with_one_query_head_per_backward_cta_match_fp64(name, monkeypatch):
+    # What long documents take (interface.DOC_L2_SPLIT_KEYS), forced on short ones: the split
+    # shares' fp32 dK/dV sums in the document launch order.
+    from ringfa4.backends.cute import interface
+    monkeypatch.setattr(interface, "DOC_L2_SPLIT_KEYS", 1)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v, dout = (torch.randn(1, SEQ, n, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+                     for n in (8, 2, 2, 8))
+    row = BOUNDARIES[name]
+    assert interface.head_splits(1, SEQ, SEQ, 8, 2, 128, True, False, 132, True,
+                                 longest=max(b - a for a, b in zip(row, row[1:]))) == 4
+    full = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = document_attention_fp64(*full, [row], causal=True)
+    ref = (ref_out, ref_lse, *torch.autograd.grad(ref_out, full, dout.double()))
+    mine = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = ringfa4.attention(*mine, causal=True, backend="cute", cu_seqlens=torch.tensor(row, dtype=torch.int32, device="cuda"))
+    got = (out, lse, *torch.autograd.grad(out, mine, dout))
+    for what, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
+        _assert_close(what, g, r, name)
+
+
 def test_a_gpu_cu_seqlens_changed_in_place_gives_its_new_documents():
     # Read once per version (ringfa4.documents): torch's in-place writes must be seen.
     gen = torch.Generator(device="cuda").manual_seed(5)

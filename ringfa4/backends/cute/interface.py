@@ -345,10 +345,15 @@ DETERMINISTIC_SPLIT_KEYS = {64: 16384, 128: 2048}
 # Causal keys from which the default backward at head dim 128 takes one query head per CTA, so
 # that the CTAs running at once read one query head's Q, dO and dQ from L2 (head_splits).
 L2_SPLIT_KEYS = 65536
+# The same for causal documents, by the longest one's rows (DocIds.longest): one query head per
+# CTA ran 1.02-1.03x with documents of 32k-115k tokens and 0.96x with 4k-token ones (16k the
+# longest; H100, 32/8, RESULTS 2026-11-27 IX). The document launch order (doc_order) gains at
+# 32k already, where the dense grid order does not.
+DOC_L2_SPLIT_KEYS = 32768
 
 
 def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, deterministic, sms,
-                has_docs=False, tile_m=None):
+                has_docs=False, tile_m=None, longest=None):
     """How many backward CTAs share the query heads of one (K/V block, kv head) (GQA).
 
     One CTA walking every query head of its group needs no dK/dV reduction, but with few K/V
@@ -383,8 +388,9 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
     walks differ widely and the longest sets the kernel's time: non-causal calls (a ring's remote
     steps) give every query head a CTA. On the simulated 8-rank document ring (128k tokens, 4k
     documents, H200) the slowest rank went 16.7 -> 14.2 ms; dense non-causal steps run 5-20%
-    slower split, so they keep the rule above. ``tile_m``: the kernel's query tile (None: the
-    default, configs.query_tile)."""
+    slower split, so they keep the rule above. Causal documents at head dim 128 take one query
+    head per CTA where the longest (``longest`` rows; None: not known) reaches DOC_L2_SPLIT_KEYS.
+    ``tile_m``: the kernel's query tile (None: the default, configs.query_tile)."""
     group = heads // kv_heads
     tile_m, tile_n = tile_m or query_tile(head_dim, deterministic), key_tile()
     m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
@@ -409,7 +415,8 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
         return group if causal and (splits > 1 or seqlen_k >= DETERMINISTIC_SPLIT_KEYS[head_dim]) else 1
     if has_docs and not causal:
         return group
-    if causal and not has_docs and head_dim == 128 and seqlen_k >= L2_SPLIT_KEYS:
+    if causal and head_dim == 128 and (longest is not None and longest >= DOC_L2_SPLIT_KEYS if has_docs
+                                       else seqlen_k >= L2_SPLIT_KEYS):
         return group
     if head_dim == 64 and launches_lpt(batch, seqlen_q, heads, head_dim, causal, deterministic, has_docs):
         return halvings(even_share)
@@ -474,7 +481,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     tile_m = rows.tile_m
 
     splits = head_splits(b, sq, sk, h, hk, d, causal, deterministic, _sms(q), doc_ids is not None,
-                         tile_m)
+                         tile_m, getattr(doc_ids, "longest", None))
     # fp32 dk/dv the kernel can address are added into by the kernel; else it writes new ones,
     # or, with split heads, sums them into zeroed fp32 ones (deterministic: in a fixed order).
     given_fp32 = all(t is not None and t.dtype == torch.float32 and tma_compatible(t) for t in (dk, dv))
