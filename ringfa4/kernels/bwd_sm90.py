@@ -254,11 +254,11 @@ class AttentionBackwardSm90:
         (b, sk, hk, d) of dkv_dtype; sem (b, h, sq tiles) and sem_kv (b, hk, kv blocks) int32
         zeros when deterministic (the orders of dQ's and dK/dV's reductions), else None. With
         has_docs (else None), int32: query_lo, query_hi (b, sk) the queries each key is visible
-        to (its document's, from the key on when causal); query_blocks (b, kv blocks, 2) the query tiles [first, end) each KV block
-        visits; key_blocks (b, query tiles, 2) the first and last KV block visiting each query tile
-        (deterministic order), all from the host's visible_blocks; with doc_order, order (b,
-        kv blocks * kv heads * head_splits) the CTAs' launch order, each kv_slot * kv blocks +
-        block (launch_order). head_splits:
+        to (its document's, from the key on when causal); query_blocks (b, kv blocks, 2) the
+        query tiles [first, end) each KV block visits; key_blocks (b, query tiles, 2) the first
+        and last KV block visiting each query tile (deterministic order), all from the host's
+        visible_blocks; with doc_order, order (b, kv blocks * kv heads * head_splits) the CTAs'
+        launch order, each kv_slot * kv blocks + block (launch_order). head_splits:
         CTAs per (K/V block, kv head), each taking an equal share of its query heads; more than
         1 needs Float32 dk/dv: the shares reduce-add into their kv head's.
         rotate: nonzero for rotated walks (deterministic, not causal; see the module docstring):
