@@ -34,15 +34,13 @@ layouts place them for the ring's sake; each rank holds its positions in increas
     most all: document_zigzag), and with documents that find no consecutive ranks folded or left
     to the fill; besides it, every document chained in one order (or all but the longest two,
     placed first in consecutive pieces), each continued on the next rank where it does not fit,
-    the order found by a short local search; on two ranks, every document whole where the
-    documents split into two halves of exactly L/2 tokens (_whole). Of those leaving no rank
+    the order found by a short local search. Of those leaving no rank
     more than 8% over the mean, the one with the least modelled ring time (_Packing.cost: folded
     pieces are short, and every other rank's block a rank reads is a ring step) is taken. Every
     rank holds exactly
     L/W tokens, most documents sit on one rank, and a ring needs only as many steps as the
     farthest piece a rank must reach (ringfa4.ring.documents); one folded document makes it W.
 """
-import bisect
 import functools
 import math
 import random
@@ -324,7 +322,7 @@ def _balanced_pieces(row, world):
     placement that costs more than the one before it."""
     count = len(row) - 1
     counts = sorted({0, count} | {1 << i for i in range(count.bit_length())})
-    tried = [pack for pack in (_whole(row, world),) if pack is not None]
+    tried = []
     for fold_misfits in (True, False):
         last = math.inf
         for folded in counts:
@@ -409,51 +407,6 @@ def _chained(row, world, split):
         if score <= best:
             order, best, best_pack = trial, score, twin
     return best_pack
-
-
-# Rows of at most this many documents are searched for a split of whole documents over two ranks
-# (_whole: up to 2^13 subsets a side, tens of ms of host time per new cu_seqlens).
-WHOLE_MAX_DOCUMENTS = 26
-
-
-def _whole(row, world):
-    """Two ranks of exactly row[-1] / 2 tokens each, every document whole on one of them: of the
-    splits of the documents' tokens into two equal halves (meet in the middle: every subset of
-    the first half of the documents against the subsets of the second with the tokens that
-    complete it, nearest in work), the one of least causal-work imbalance. No document crosses
-    ranks, so the ring runs no step on the other rank's block and sends nothing. None where
-    the documents do not split so, or are more than WHOLE_MAX_DOCUMENTS."""
-    pack = _Packing(row, world)
-    n = len(pack.docs)
-    if world != 2 or n > WHOLE_MAX_DOCUMENTS:
-        return None
-    work = [_pairs(pack.length(d)) for d in range(n)]
-    sides = []
-    for first, stop in ((0, n // 2), (n // 2, n)):
-        tokens, pairs, by_tokens = [0], [0], {}
-        for bits in range(1, 1 << (stop - first)):
-            d = first + (bits & -bits).bit_length() - 1
-            tokens.append(tokens[bits & (bits - 1)] + pack.length(d))
-            pairs.append(pairs[bits & (bits - 1)] + work[d])
-        for bits, (t, w) in enumerate(zip(tokens, pairs)):
-            by_tokens.setdefault(t, []).append((w, bits << first))
-        sides.append({t: sorted(subsets) for t, subsets in by_tokens.items()})
-    half_work, best = sum(work) / 2, None
-    for t, mine in sides[0].items():
-        theirs = sides[1].get(pack.share - t)
-        if theirs is None:
-            continue
-        for w, bits in mine:
-            i = bisect.bisect_left(theirs, (half_work - w,))
-            for other_w, other_bits in theirs[max(0, i - 1):i + 1]:
-                gap = abs(w + other_w - half_work)
-                if best is None or gap < best[0]:
-                    best = (gap, bits | other_bits)
-    if best is None:
-        return None
-    for d, (a, b) in enumerate(pack.docs):
-        pack.place(0 if best[1] >> d & 1 else 1, d, a, b)
-    return pack
 
 
 def held_positions(rows, rank, world, layout):

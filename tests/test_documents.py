@@ -189,25 +189,6 @@ def test_document_balanced_takes_the_placement_of_least_modelled_ring_time_withi
     assert folded.imbalance() == whole.imbalance() == 1.0 and folded.cost() > whole.cost()
 
 
-def test_document_balanced_keeps_every_document_whole_on_two_ranks_where_the_tokens_split_exactly():
-    """At W = 2 the 128k 4k-document mixes of seeds 0 and 1 split into two sets of whole documents
-    of exactly 64k tokens and even causal work: every document sits on one rank and the ring runs
-    its local step only. Where no equal split of whole documents exists (a document longer than
-    half the row) the placement cuts one as before."""
-    from ringfa4.ring import balance
-    from ringfa4.ring.documents import RingDocuments
-
-    for seed in (0, 1):
-        row = balance.document_mix(1 << 17, seed=seed, long_docs=0)
-        pieces = documents.balanced_pieces(row, 2)
-        assert sorted((a, b) for _, a, b in pieces) == list(zip(row[:-1], row[1:])), seed
-        assert balance.imbalance(row, 2, "document_balanced") <= 1.001, seed
-        assert RingDocuments([row], 0, 2, "document_balanced", 1 << 17, torch.device("cpu")).steps(True) == 1
-    row = [0, 70000, 100000, 1 << 17]
-    assert documents._whole(tuple(row), 2) is None
-    assert len(documents.balanced_pieces(row, 2)) > len(row) - 1
-
-
 def test_document_balanced_chains_documents_too_heavy_for_one_rank_instead_of_folding_them():
     """At W = 8 the 128k mix's longest document (~16k tokens) has more work than a rank can carry
     beside whole documents: greedy placements fold it over all 8 ranks (a ring of 8 steps); a
