@@ -415,8 +415,8 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
         return group if causal and (splits > 1 or seqlen_k >= DETERMINISTIC_SPLIT_KEYS[head_dim]) else 1
     if has_docs and not causal:
         return group
-    if causal and head_dim == 128 and (longest is not None and longest >= DOC_L2_SPLIT_KEYS if has_docs
-                                       else seqlen_k >= L2_SPLIT_KEYS):
+    long_walks = (longest or 0) >= DOC_L2_SPLIT_KEYS if has_docs else seqlen_k >= L2_SPLIT_KEYS
+    if causal and head_dim == 128 and long_walks:
         return group
     if head_dim == 64 and launches_lpt(batch, seqlen_q, heads, head_dim, causal, deterministic, has_docs):
         return halvings(even_share)
