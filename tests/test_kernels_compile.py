@@ -236,6 +236,22 @@ def _some_missing(lengths, gen):
     return torch.where(kept, lengths, 0)
 
 
+def _random_documents(gen, causal, max_docs):
+    """(q_ids, k_ids, seen) of random documents over up to 600 queries and keys (the same rows
+    when causal, else some documents missing on either side), seen[q, k] whether q sees k."""
+    sq = int(torch.randint(1, 600, (), generator=gen))
+    sk = sq if causal else int(torch.randint(1, 600, (), generator=gen))
+    docs = int(torch.randint(1, max_docs, (), generator=gen))
+    q_len, k_len = (torch.bincount(torch.randint(0, docs, (n,), generator=gen), minlength=docs) for n in (sq, sk))
+    if not causal:
+        q_len, k_len = _some_missing(q_len, gen), _some_missing(k_len, gen)
+    q_ids, k_ids = _document_ids(q_len.tolist()), _document_ids(k_len.tolist())
+    seen = q_ids[0, :, None] == k_ids[0, None, :]
+    if causal:
+        seen &= torch.ones(seen.shape, dtype=torch.bool).tril()
+    return q_ids, k_ids, seen
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("tile_m", [64, 80, 128])
 def test_backward_document_ranges_cover_every_visible_pair_and_order_each_tile(causal, tile_m):
@@ -249,17 +265,8 @@ def test_backward_document_ranges_cover_every_visible_pair_and_order_each_tile(c
     gen = torch.Generator().manual_seed(tile_m + causal)
     tile_n = key_tile()
     for _ in range(40):
-        sq = int(torch.randint(1, 600, (), generator=gen))
-        sk = sq if causal else int(torch.randint(1, 600, (), generator=gen))
-        docs = int(torch.randint(1, 40, (), generator=gen))
-        q_len, k_len = (torch.bincount(torch.randint(0, docs, (n,), generator=gen), minlength=docs) for n in (sq, sk))
-        if not causal:
-            q_len, k_len = _some_missing(q_len, gen), _some_missing(k_len, gen)
-        q_ids, k_ids = _document_ids(q_len.tolist()), _document_ids(k_len.tolist())
-        sq, sk = q_ids.shape[1], k_ids.shape[1]
-        seen = q_ids[0, :, None] == k_ids[0, None, :]
-        if causal:
-            seen &= torch.ones(sq, sk, dtype=torch.bool).tril()
+        q_ids, k_ids, seen = _random_documents(gen, causal, max_docs=40)
+        sq, sk = seen.shape
         _, _, query_blocks, key_blocks = visible_blocks((q_ids, k_ids), causal, tile_m)
         query_blocks, key_blocks = query_blocks[0].tolist(), key_blocks[0].tolist()
         assert len(query_blocks) == -(-sk // tile_n) and len(key_blocks) == -(-sq // tile_m)
@@ -290,17 +297,8 @@ def test_backward_key_ranges_hold_exactly_the_visible_pairs_and_leave_only_whole
     gen = torch.Generator().manual_seed(7 + causal)
     tile_n, tile_m = key_tile(), 64
     for _ in range(40):
-        sq = int(torch.randint(1, 600, (), generator=gen))
-        sk = sq if causal else int(torch.randint(1, 600, (), generator=gen))
-        docs = int(torch.randint(1, 12, (), generator=gen))
-        q_len, k_len = (torch.bincount(torch.randint(0, docs, (n,), generator=gen), minlength=docs) for n in (sq, sk))
-        if not causal:
-            q_len, k_len = _some_missing(q_len, gen), _some_missing(k_len, gen)
-        q_ids, k_ids = _document_ids(q_len.tolist()), _document_ids(k_len.tolist())
-        sq, sk = q_ids.shape[1], k_ids.shape[1]
-        seen = q_ids[0, :, None] == k_ids[0, None, :]
-        if causal:
-            seen &= torch.ones(sq, sk, dtype=torch.bool).tril()
+        q_ids, k_ids, seen = _random_documents(gen, causal, max_docs=12)
+        sq, sk = seen.shape
         query_lo, query_hi, _, _ = visible_blocks((q_ids, k_ids), causal, tile_m)
         assert query_lo.dtype == query_hi.dtype == torch.int32 and query_lo.shape == (1, sk)
         q = torch.arange(sq)[:, None]
