@@ -16,7 +16,11 @@ Attention rows (one GPU, causal): ringfa4.attention(cu_seqlens=) with --backend 
 on Hopper) vs flash_attn.cute.flash_attn_varlen_func on the same packed documents, both called as a
 model's layers call them (cu_seqlens on the GPU, the same tensor every call), and PyTorch's
 FlexAttention (torch.compile'd, the causal document mask as a block mask built once, kv heads
-given as they are), outs compared first; forward (no grad) and forward + backward (autograd). No
+given as they are), outs compared first; forward (no grad) and forward + backward (autograd). The
+backward is torch.autograd.grad, as in bench/kernels.py and bench/ring.py: gradients handed back as a
+model's layer hands them to the projections before it, not added into the leaves' .grad (that add,
+~3 memory passes over q, k and v per call, is no part of attention and weighs ~13x more next to
+4k-token documents' work than next to a dense sequence's). No
 cuDNN/SDPA column: SDPA takes documents only as a dense mask, which is not the same work.
 
 Ring rows: every rank of a W-rank ring simulated on this GPU (ringfa4.ring.simulate.SimulatedRing:
@@ -148,7 +152,7 @@ def attention_rows(args, device, dtype, rows):
                         fns.append(torch.no_grad()(lambda fn=fn: fn(q, k, v)))
                     else:
                         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-                        fns.append(lambda fn=fn, leaves=leaves: torch.autograd.backward(fn(*leaves), dout))
+                        fns.append(lambda fn=fn, leaves=leaves: torch.autograd.grad(fn(*leaves), leaves, dout))
                 times = timer(*fns)
                 work = visible_flops(row, heads, args.head_dim, direction)
                 rows.add(measure.metadata(device, args.commit, part="attention", seq=seq, mix=mix,
@@ -261,7 +265,7 @@ def ranks_ring_rows(args, device, dtype, rows):
 
         def call(leaves=leaves, dout=dout, layout=layout, cu=cu):
             out = ringfa4.ring_attention(*leaves, causal=True, layout=layout, backend=args.backend, cu_seqlens=cu)
-            torch.autograd.backward(out, dout)
+            torch.autograd.grad(out, leaves, dout)
             return out
 
         with torch.no_grad():
