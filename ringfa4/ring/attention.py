@@ -186,9 +186,6 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
             if dkv is None:
                 dkv = _zeros_at(kv, sum_dtype, slice(0, k.shape[1]) if local else held)
                 _add(dkv, grads)
-            # Taken into the sums: dropped before the inbox is allocated, or a step whose calls
-            # cover part of the block (documents), or whose sums are wider, holds them beside both.
-            grads = []
             inbox = _empty_like(dkv)
         timeline.end(started, "bwd", j, "compute")
         if j > 0:
