@@ -3,6 +3,7 @@ gives that rank's exact out, lse and dq: the ring's own step code checked at W n
 on two CPU cores could run."""
 import itertools
 import random
+import weakref
 
 import torch
 
@@ -61,3 +62,32 @@ def test_a_member_of_a_head_group_runs_the_ring_of_its_heads_exactly():
                 expected = [part(out[:, :, qh], rank, ring_world, layout), part(lse[:, qh], rank, ring_world, layout, 2),
                             part(dq[:, :, qh], rank, ring_world, layout)]
                 _assert_rank_exact(sim()[:3], expected, f"member {member} ring rank {rank} {layout} causal={causal}")
+
+
+class _Watching:
+    """torch_ref whose backward first checks that no earlier call's dK/dV is still alive."""
+
+    def __init__(self):
+        self.alive, self.calls = [], 0
+
+    def __getattr__(self, name):
+        return getattr(torch_ref, name)
+
+    def backward(self, *args, **kwargs):
+        held = sum(ref() is not None for ref in self.alive)
+        assert held == 0, f"{held} dK/dV of an earlier step alive at backward call {self.calls}"
+        dq, dk, dv = torch_ref.backward(*args, **kwargs)
+        self.alive += [weakref.ref(dk), weakref.ref(dv)]
+        self.calls += 1
+        return dq, dk, dv
+
+
+def test_a_steps_dk_dv_are_freed_before_the_next_steps_call():
+    # Rank 1 of a causal zigzag ring of 2: its first backward step covers half of the block, so
+    # that step's dK/dV are added into the block's sums and the local step's call (the ring's
+    # peak of memory) must not find them held.
+    torch_ref.BLOCK = 8
+    q, k, v, dout = _full(32, 4, 2, 16, 0)
+    backend = _Watching()
+    Rank(backend, q, k, v, dout, True, 16 ** -0.5, 1, 2, "zigzag")()
+    assert backend.calls == 2
