@@ -172,7 +172,7 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
         kv_works = (_transfer(ring, "bwd", kv, held, targets[j % 2], arriving, span=("bwd", j, "kv"))
                     if j + 2 < steps else [])
         started = timeline.begin(q.device)
-        grads = []  # (key rows, [dk, dv]) of each call
+        grads = []  # (key rows, (dk, dv)) of each call
         for step, ids in _calls(plan(rank, source, layout, causal, q.shape[1]), docs, source, causal, "bwd", kv):
             rows = step.q
             # (dk, dv) go straight into grads: a name left holding them would keep the last call's
