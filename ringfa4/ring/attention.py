@@ -207,9 +207,16 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
         if not local:
             dkv_works = _transfer(ring, "bwd", dkv, held, inbox, arriving, tag=1, span=("bwd", j, "dkv"))
             ring.wait(kv_works)
-            kv = targets[j % 2] if j + 2 < steps else [k, v]
-    dk, dv = dkv
-    return queries.dq(), dk.to(k.dtype), dv.to(v.dtype)
+            if j + 2 < steps:
+                kv = targets[j % 2]
+            else:  # the local block is next: the receive buffers have served
+                kv, targets = [k, v], []
+    # Dropped before dQ's buffer is made, the ring's peak of memory at W >= 3: the other sums
+    # buffer and the local call's dK/dV, then the sums once cast (own may hold them too).
+    inbox = grads = None
+    dk, dv = (t.to(k.dtype) for t in dkv)
+    dkv = own = None
+    return queries.dq(), dk, dv
 
 
 class RingAttention(torch.autograd.Function):
