@@ -137,6 +137,7 @@ def ring_forward(backend, q, k, v, causal, softmax_scale, ring, layout, docs=Non
                 merging = timeline.begin(q.device)
                 merge_(out[:, step.q], lse[:, :, step.q], o, l)
                 timeline.end(merging, "fwd", i, "merge")
+            del o, l  # merged: held on, the call's partial would stay alive through the next call
         timeline.end(started, "fwd", i, "compute")
         if not last:
             ring.wait(works)
