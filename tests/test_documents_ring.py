@@ -11,6 +11,7 @@ import ringfa4
 import ringfa4.backends.torch_ref as torch_ref
 from distributed import run
 from ringfa4 import documents
+from ringfa4.ring import attention as ring_attention
 from ringfa4.ring import documents as documents_ring
 from ringfa4.ring.documents import RingDocuments, counting
 from ringfa4.ring.schedule import ROW_ALIGN, plan
@@ -123,33 +124,46 @@ def test_one_document_per_row_is_the_dense_ring_bit_for_bit():
     run(_check_single_document, 2, random.randrange(2**31))
 
 
-def _check_bf16_partials(rank, world, seed):
+def _check_bf16_partials(rank, world, seed, block=16):
     torch_ref.BLOCK = 16
     gen = torch.Generator().manual_seed(seed)
-    seq = 16 * world
+    seq = block * world
     row = [0, 3, seq - 5, seq]  # a document longer than two ranks' share: a ring of W steps
     cu = torch.tensor(row, dtype=torch.int32)
     tensors = [torch.randn(1, seq, n, 16, dtype=torch.float64, generator=gen) for n in (4, 2, 2, 4)]
     full = [t.clone().requires_grad_() for t in tensors[:3]]
     ref_out, _ = document_attention_fp64(*full, [row], True)
     ref = torch.autograd.grad(ref_out, full, tensors[3])
-    given = []
-    backward = torch_ref.backward
+    steps = []  # per backward step, its calls' given dK: (dtype, dv dtype, documents, a view of the sums)
+    backward, calls = torch_ref.backward, ring_attention._calls
 
     def recording(*args, dk=None, dv=None, **kwargs):
-        given.append(None if dk is None else (dk.dtype, dv.dtype, kwargs.get("doc_ids") is not None))
+        steps[-1].append(None if dk is None else (dk.dtype, dv.dtype, kwargs.get("doc_ids") is not None,
+                                                  dk._base is not None, dk.shape[1]))
         return backward(*args, dk=dk, dv=dv, **kwargs)
 
-    torch_ref.backward = recording
+    def stepping(*args, **kwargs):
+        if args[4] == "bwd":
+            steps.append([])
+        return calls(*args, **kwargs)
+
+    torch_ref.backward, ring_attention._calls = recording, stepping
     try:
         local = [ringfa4.shard(t.to(torch.bfloat16), layout="document_balanced", cu_seqlens=cu).requires_grad_()
                  for t in tensors[:3]]
         dout = ringfa4.shard(tensors[3].to(torch.bfloat16), layout="document_balanced", cu_seqlens=cu)
         got = _run_ring(local, "document_balanced", True, None, cu, dout)[2:]
     finally:
-        torch_ref.backward = backward
-    assert given and all(g == (torch.float32, torch.float32, True) for g in given if g is not None), given
-    assert given.count(None) == 1, given  # the local causal step returns its own, in bf16
+        torch_ref.backward, ring_attention._calls = backward, calls
+    given = [g for calls in steps for g in calls]
+    assert given and all(g[:3] == (torch.float32, torch.float32, True) for g in given if g is not None), given
+    assert given.count(None) == 1 and steps[-1] == [None], steps  # the local causal step returns its own, in bf16
+    assert not any(g[3] for g in steps[0]), steps  # the block's sums start from the first step's
+    for calls in steps[1:-1]:
+        # Past the first step a remote step holds fresh fp32 dK/dV of its first call only, half
+        # its one call's keys at most (+ the cut's rounding): the rest add into the arrived sums.
+        fresh = [g[4] for g in calls if not g[3]]
+        assert len(fresh) == 1 and fresh[0] <= block // 2 + ROW_ALIGN // 2, steps
     for what, g, r in zip(("dq", "dk", "dv"), got, ref):
         r = ringfa4.shard(r, layout="document_balanced", cu_seqlens=cu)
         err = (g.double() - r).abs().max().item()
@@ -158,8 +172,17 @@ def _check_bf16_partials(rank, world, seed):
 
 def test_ring_with_documents_sums_bf16_gradients_from_fp32_partials():
     """Over more than two ranks the dK/dV sums are fp32: each remote backward call with documents
-    adds its gradients into fresh fp32 buffers, never rounding a partial to bf16 first."""
+    adds its gradients into fp32 buffers, never rounding a partial to bf16 first."""
     run(_check_bf16_partials, 3, random.randrange(2**31))
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_a_remote_steps_later_calls_add_into_the_arrived_dk_dv_sums(world):
+    """Past the first backward step, a remote step with documents gives fresh fp32 dK/dV to its
+    first call (the first half of its keys when it has one call) and adds the others straight
+    into the block's sums once they arrived: no third fp32 block beside the sums sent and the
+    sums arriving (the dense ring holds bf16 there)."""
+    run(_check_bf16_partials, world, random.randrange(2**31), 4 * ROW_ALIGN)
 
 
 def _check_skips(rank, world, seed):

@@ -42,16 +42,27 @@ def _sum_dtype(x, lse, steps):
     return x.dtype if steps == 2 else lse.dtype
 
 
+def _in_shares(kv, step, dtype, ids):
+    """Whether a backward call's dK/dV are best summed in the ring's ``dtype``: a non-causal call
+    with documents where the sums are wider than the inputs. Such calls give every query head a
+    CTA (ringfa4.backends.cute.interface.head_splits), which sums dK/dV in fp32 anyway: added
+    into fp32 buffers they reach the ring's sums without a bf16 copy made and widened again,
+    and the call holds one buffer instead of two."""
+    return dtype != kv[0].dtype and ids is not None and not step.causal
+
+
 def _fresh_sums(kv, step, dtype, ids):
     """dK/dV buffers for one backward call to add its gradients into: zeros in the sums' dtype
-    for a non-causal call with documents where the sums are wider than the inputs. Such calls
-    give every query head a CTA (ringfa4.backends.cute.interface.head_splits), which sums dK/dV
-    in fp32 anyway: so they reach the ring's fp32 sums without a bf16 copy made and widened
-    again, and the call holds one buffer instead of two. Else none: the backend returns new
-    ones (a dense or causal step stores them in the input dtype, half the memory)."""
-    if dtype == kv[0].dtype or ids is None or step.causal:
+    where _in_shares. Else none: the backend returns new ones (a dense or causal step stores them
+    in the input dtype, half the memory)."""
+    if not _in_shares(kv, step, dtype, ids):
         return {}
     return {name: torch.zeros(t[:, step.kv].shape, dtype=dtype, device=t.device) for name, t in zip(("dk", "dv"), kv)}
+
+
+def _sums_at(dkv, step):
+    """The block's sums at a call's key rows, for the backend to add its dK/dV into."""
+    return {"dk": dkv[0][:, step.kv], "dv": dkv[1][:, step.kv]}
 
 
 def _nbytes(tensors):
@@ -71,12 +82,21 @@ def _transfer(ring, phase, send, send_rows, recv, recv_rows, **kwargs):
     return ring.start(send, recv, send_rows, recv_rows, **kwargs)
 
 
-def _calls(step, docs, source, causal, phase, kv):
+def _calls(step, docs, source, causal, phase, kv, halved=False):
     """[(step, doc_ids)]: the backend calls of a ring step (ringfa4.ring.schedule.plan's ``step``,
-    None: none), cut to the rows that share documents with ``docs``."""
+    None: none), cut to the rows that share documents with ``docs`` (``halved``: see
+    RingDocuments.calls)."""
     if docs is not None:
-        return docs.calls(step, source, causal, phase, kv)
+        return docs.calls(step, source, causal, phase, kv, halved)
     return [] if step is None else [(step, None)]
+
+
+def _arrived(ring, works, dkv, inbox, device, j):
+    """(sums, free buffer) once the block's sums have arrived in ``inbox`` and ``dkv`` is sent."""
+    waiting = timeline.begin(device)
+    ring.wait(works)
+    timeline.end(waiting, "bwd", j, "wait_dkv")
+    return inbox, dkv
 
 
 def _add(dkv, grads):
@@ -151,8 +171,9 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
 
     ``ring`` turns the other way (sends to the previous rank). A step has the backend put dK/dV
     of its block in fresh buffers (_fresh_sums) while the sums of that block are still in flight
-    from the next rank, and adds them once they have arrived. The local step ends the sums of the
-    rank's own block: they are the result.
+    from the next rank, and adds them once they have arrived (with documents, a remote step's
+    calls after its first add straight into the arrived sums). The local step ends the sums of
+    the rank's own block: they are the result.
     """
     rank, world = ring.rank, ring.world
     steps = world if docs is None else docs.steps(causal)
@@ -173,28 +194,39 @@ def ring_backward(backend, dout, q, k, v, out, lse, kv_first, causal, softmax_sc
         kv_works = (_transfer(ring, "bwd", kv, held, targets[j % 2], arriving, span=("bwd", j, "kv"))
                     if j + 2 < steps else [])
         started = timeline.begin(q.device)
-        grads = []  # (key rows, (dk, dv)) of each call
-        for step, ids in _calls(plan(rank, source, layout, causal, q.shape[1]), docs, source, causal, "bwd", kv):
+        # A remote step's calls whose dK/dV _in_shares would hold a third fp32 block beside the
+        # sums being sent and those arriving (the dense ring holds bf16 there: the long-document
+        # ring peaked 7% over it at W = 4). So its first call (or the first half of its one call,
+        # halved) adds into fresh sums, and the others straight into the sums once they arrived.
+        early = j > 0 and not local and docs is not None and sum_dtype != k.dtype
+        arrived = False
+        grads = []  # (key rows, (dk, dv)) of each call not added into the sums
+        for n, (step, ids) in enumerate(_calls(plan(rank, source, layout, causal, q.shape[1]), docs, source, causal,
+                                               "bwd", kv, halved=early)):
+            direct = early and n > 0 and _in_shares(kv, step, sum_dtype, ids)
+            if direct and not arrived:
+                dkv, inbox = _arrived(ring, dkv_works, dkv, inbox, q.device, j)
+                arrived = True
             rows = step.q
-            # (dk, dv) go straight into grads: a name left holding them would keep the last call's
-            # alive through the next step's call (the long-document ring's peak, 3% over dense).
-            grads.append((step.kv, backend.backward(
+            # (dk, dv) go straight into a list, the sums given inline: a name left holding either
+            # would keep the last call's alive through the next step's call (the long-document
+            # ring's peak, 3% over dense). A direct call's are views of the sums: nothing to add.
+            ([] if direct else grads).append((step.kv, backend.backward(
                 dout[:, rows], q[:, rows], kv[0][:, step.kv], kv[1][:, step.kv], out[:, rows],
                 lse[:, :, rows], step.causal, softmax_scale, dq=queries.rows(rows), deterministic=deterministic,
-                **_fresh_sums(kv, step, sum_dtype, ids), **call_kwargs(ids),
+                **(_sums_at(dkv, step) if direct else _fresh_sums(kv, step, sum_dtype, ids)), **call_kwargs(ids),
             )[1:]))
         if j == 0:  # this block's sums start here
             dkv = _whole(grads, k.shape[1], sum_dtype)
             if dkv is None:
                 dkv = _zeros_at(kv, sum_dtype, slice(0, k.shape[1]) if local else held)
                 _add(dkv, grads)
+            grads = []  # in the sums now: not held while the inbox is made
             inbox = _empty_like(dkv)
         timeline.end(started, "bwd", j, "compute")
         if j > 0:
-            waiting = timeline.begin(q.device)
-            ring.wait(dkv_works)
-            timeline.end(waiting, "bwd", j, "wait_dkv")
-            dkv, inbox = inbox, dkv
+            if not arrived:
+                dkv, inbox = _arrived(ring, dkv_works, dkv, inbox, q.device, j)
             if local and held != slice(0, k.shape[1]):
                 # The rows no transfer carried hold another block's sums; the rank's dK, dV has none there.
                 own = _whole(grads, k.shape[1], sum_dtype)

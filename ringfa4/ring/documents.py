@@ -213,19 +213,24 @@ class RingDocuments:
             parts.append(replace(step, q=slice(first, stop), kv=kv))
         return parts
 
-    def calls(self, step, source, causal, phase, kv):
+    def calls(self, step, source, causal, phase, kv, halved=False):
         """[(step, doc_ids)] of the backend calls of this ring step: its rows that share documents,
         in one call or a few (none when nothing is shared, counted as skipped, with the bytes of
         the ``kv`` rows it would have read). The same doc_ids objects every call, so that a
-        backend may derive what it reads of them once (ringfa4.backends.cute.interface)."""
+        backend may derive what it reads of them once (ringfa4.backends.cute.interface).
+        ``halved``: a step of one call has it cut in two at half its keys (a ring backward step
+        adds the second half's dK/dV straight into the block's sums, ringfa4.ring.attention)."""
         if step is None:
             return []
-        key = (source, causal)
+        key = (source, causal, halved)
         if key not in self._step_parts:
             q_host, _, q_dev, k_dev = self._ids_for(source, causal)
+            parts = self._parts(step, source, causal)
+            if halved and len(parts) == 1 and not parts[0].causal:
+                parts = _halves(parts[0])
             self._step_parts[key] = [
                 (part, documents.DocIds(q_dev[:, part.q], k_dev[:, part.kv], _longest(q_host[:, part.q])))
-                for part in self._parts(step, source, causal)]
+                for part in parts]
         parts = self._step_parts[key]
         if parts:
             _count(phase, False)
@@ -263,6 +268,16 @@ class RingDocuments:
 def _longest(ids):
     """DocIds.longest of host ids (b, n): the longest run of one id in a row."""
     return max(int(np.unique(row, return_counts=True)[1].max()) for row in ids.numpy()) if ids.numel() else 0
+
+
+def _halves(step):
+    """``step`` as two calls over the halves of its keys, cut on the ROW_ALIGN multiple nearest
+    the middle; one call when that leaves a half empty."""
+    first, stop = step.kv.start, step.kv.stop
+    cut = first + round((stop - first) / (2 * ROW_ALIGN)) * ROW_ALIGN
+    if not first < cut < stop:
+        return [step]
+    return [replace(step, kv=slice(first, cut)), replace(step, kv=slice(cut, stop))]
 
 
 def _rows_of(ids, d):
