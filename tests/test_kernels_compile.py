@@ -223,6 +223,27 @@ def test_forward_tile_orders_without_documents_are_kept_for_the_most_recent_shap
     assert (cfg, 1, 257, 257, 2, 4, cpu) not in interface._dense_orders  # the least recent went
 
 
+def test_forward_tile_order_groups_the_heads_whose_walks_k_v_fits_l2_together():
+    """The order's head groups (a group's query blocks last first, its heads fastest) hold the
+    heads whose K/V that their walks read fits the L2 budget together: with documents that is a
+    head's K/V over its longest document, not over the whole key length."""
+    from dataclasses import replace
+
+    from ringfa4.backends.cute.interface import tile_order
+    from ringfa4.documents import DocIds
+    from ringfa4.kernels.tile_scheduler import L2_BUDGET
+
+    seq, heads, grid, longest = 131072, 8, 132, 16384
+    cfg = replace(fwd_defaults("bf16", 128, True, True, seqlen_k=seq), persistent=True, tile_order=True)
+    ids = _document_ids([longest] * (seq // longest))
+    for doc_ids, reach in ((None, seq), (DocIds(ids, ids, longest), longest)):
+        order = tile_order(cfg, 1, seq, seq, heads, grid, torch.device("cpu"), doc_ids)
+        group = max(1, L2_BUDGET // (reach * 128 * 2 * 2))
+        assert group == (1 if doc_ids is None else 4)
+        first_heads = set((order[:grid].long() // (seq // cfg.tile_m)).tolist())
+        assert first_heads == set(range(group)), (reach, first_heads)
+
+
 def _document_ids(lengths):
     return torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32),
                                    torch.tensor(lengths))[None]

@@ -225,12 +225,13 @@ def _walks(doc_ids, config, batch, seqlen_q, seqlen_k, device):
     return torch.maximum((hi + tile_n - 1) // tile_n, n_lo + 1) - n_lo
 
 
-def _dealt(walk, config, heads, seqlen_k, grid):
-    """tile_order's order of tiles whose query blocks visit ``walk`` key blocks."""
+def _dealt(walk, config, heads, reach, grid):
+    """tile_order's order of tiles whose query blocks visit ``walk`` key blocks, none of them
+    farther than ``reach`` keys apart (the key length, or the longest document)."""
     from ringfa4.kernels.tile_scheduler import L2_BUDGET  # the kernel's LPT groups (imports the DSL)
 
     blocks, bh = walk.shape[1], walk.shape[0] * heads
-    kv_bytes = seqlen_k * config.head_dim * 2 * 2  # a head's K and V, 16-bit
+    kv_bytes = reach * config.head_dim * 2 * 2  # the K and V of a head that its walks read, 16-bit
     group = max(1, min(bh, L2_BUDGET // kv_bytes))
     raster = torch.arange(bh * blocks, device=walk.device).view(bh, blocks).flip(1)  # query blocks last first
     length = walk.flip(1).repeat_interleave(heads, dim=0)
@@ -270,7 +271,12 @@ def tile_order(config, batch, seqlen_q, seqlen_k, heads, grid, device, doc_ids=N
     documents a tile's key blocks depend on where its rows' documents start, not on its
     position, and that share leaves persistent CTAs 2-9% apart. Base order: the kernel's LPT
     order (heads in groups whose K/V fits L2 together, a group's query blocks last first, its
-    heads fastest; within a document its longest walks first). It is cut into windows of 2 x
+    heads fastest; within a document its longest walks first). With documents a head's walks
+    read the K/V of its longest document at most, so the groups hold more heads: at 128k tokens
+    of 4k-token documents (longest 15-16k) 4 heads instead of 1, the query heads of a kv head
+    together, which read each document's K/V from DRAM once instead of 4 times: forward
+    1.031-1.044x (H100, 32/8, hdim 128, two seeds x two runs; 32k: 0.98-1.00x, within the A/A
+    spread; bench/RESULTS.md 2026-11-27 XI). It is cut into windows of 2 x
     ``grid`` tiles (nearby tiles: nearby K/V in L2), each sorted by key blocks, longest first,
     and dealt in rounds of ``grid``: a CTA takes one tile per round (positions c, c + grid, ...),
     the round's longest going to the CTA with the fewest key blocks so far. Made once per ids
@@ -283,8 +289,10 @@ def tile_order(config, batch, seqlen_q, seqlen_k, heads, grid, device, doc_ids=N
     if _capturing(device):
         order = _dense_orders.get(key) if doc_ids is None else _cached(doc_ids, what)
         return None if order is None else _held(order)
+    longest = getattr(doc_ids, "longest", None)
+    reach = seqlen_k if longest is None else min(seqlen_k, longest)
     make = lambda: _dealt(_walks(doc_ids, config, batch, seqlen_q, seqlen_k, device),  # noqa: E731
-                          config, heads, seqlen_k, grid)
+                          config, heads, reach, grid)
     if doc_ids is not None:
         return _once(doc_ids, what, make)
     order = _dense_orders.get(key)
