@@ -155,14 +155,14 @@ def _check_bf16_partials(rank, world, seed, block=16):
         got = _run_ring(local, "document_balanced", True, None, cu, dout)[2:]
     finally:
         torch_ref.backward, ring_attention._calls = backward, calls
-    given = [g for calls in steps for g in calls]
+    given = [g for step in steps for g in step]
     assert given and all(g[:3] == (torch.float32, torch.float32, True) for g in given if g is not None), given
     assert given.count(None) == 1 and steps[-1] == [None], steps  # the local causal step returns its own, in bf16
     assert not any(g[3] for g in steps[0]), steps  # the block's sums start from the first step's
-    for calls in steps[1:-1]:
+    for step in steps[1:-1]:
         # Past the first step a remote step holds fresh fp32 dK/dV of its first call only, half
         # its one call's keys at most (+ the cut's rounding): the rest add into the arrived sums.
-        fresh = [g[4] for g in calls if not g[3]]
+        fresh = [g[4] for g in step if not g[3]]
         assert len(fresh) == 1 and fresh[0] <= block // 2 + ROW_ALIGN // 2, steps
     for what, g, r in zip(("dq", "dk", "dv"), got, ref):
         r = ringfa4.shard(r, layout="document_balanced", cu_seqlens=cu)
