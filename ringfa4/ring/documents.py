@@ -222,21 +222,28 @@ class RingDocuments:
         adds the second half's dK/dV straight into the block's sums, ringfa4.ring.attention)."""
         if step is None:
             return []
-        key = (source, causal, halved)
+        key = (source, causal)
         if key not in self._step_parts:
-            q_host, _, q_dev, k_dev = self._ids_for(source, causal)
-            parts = self._parts(step, source, causal)
-            if halved and len(parts) == 1 and not parts[0].causal:
-                parts = _halves(parts[0])
-            self._step_parts[key] = [
-                (part, documents.DocIds(q_dev[:, part.q], k_dev[:, part.kv], _longest(q_host[:, part.q])))
-                for part in parts]
+            self._step_parts[key] = self._described(source, causal, self._parts(step, source, causal))
         parts = self._step_parts[key]
+        if halved and len(parts) == 1 and not parts[0][0].causal:
+            # Only the halves are new: a call too short to cut keeps the whole step's doc_ids.
+            key = (source, causal, "halved")
+            if key not in self._step_parts:
+                halves = _halves(parts[0][0])
+                self._step_parts[key] = parts if len(halves) == 1 else self._described(source, causal, halves)
+            parts = self._step_parts[key]
         if parts:
             _count(phase, False)
         else:
             _count(phase, True, sum(t[:, step.kv].numel() * t.element_size() for t in kv))
         return parts
+
+    def _described(self, source, causal, parts):
+        """[(step, doc_ids)] of calls over ``parts`` of a step of ``source``'s block."""
+        q_host, _, q_dev, k_dev = self._ids_for(source, causal)
+        return [(part, documents.DocIds(q_dev[:, part.q], k_dev[:, part.kv], _longest(q_host[:, part.q])))
+                for part in parts]
 
     def carried(self, source, causal):
         """The rows of ``source``'s K/V block (and of its dK/dV sums) that the ring's transfers
