@@ -21,7 +21,7 @@ from ringfa4.backends.cute.configs import (VARIANTS, DqPostprocessConfig, MergeC
 
 
 SUBSET = (r"^fwd_sm90_|^bwd_sm90_bf16_d(64_m128|128_m64)_(full|causal)_atomic_dkvstore(_docs_docorder|_wholekeys)?_stagger$"
-          r"|^bwd_sm90_bf16_d128_m64_causal_det_dkvadd32_docs$|^bwd_sm90_bf16_d128_m80_full_det_dkvstore$")
+          r"|^bwd_sm90_bf16_d128_m64_causal_det_dkvadd32_docs_stagger$|^bwd_sm90_bf16_d128_m80_full_det_dkvstore$")
 
 
 def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_shipped_variants(tmp_path):
@@ -45,8 +45,8 @@ def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_shipped_variants(tmp_path):
     # d128 not causal without key mask (keys in whole K/V blocks)
     assert sum(v.name.startswith("bwd_") for v in chosen) == 11
     assert sum(v.name.startswith("bwd_") and "_docs" in v.name for v in chosen) == 5
-    # the default mode's warp groups staggered, the deterministic mode's in lockstep
-    assert sum(v.name.startswith("bwd_") and v.name.endswith("_stagger") for v in chosen) == 9
+    # the warp groups staggered wherever a third dS buffer fits: all but the 80-row tile
+    assert sum(v.name.startswith("bwd_") and v.name.endswith("_stagger") for v in chosen) == 10
     assert sum(v.name.startswith("bwd_") and "_wholekeys" in v.name for v in chosen) == 1
     lines = [line for line in run.stdout.splitlines() if line.strip()]
     assert len(lines) == len(chosen)

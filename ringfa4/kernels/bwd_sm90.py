@@ -23,7 +23,7 @@ log2 units come from bwd_preprocess.py.
 
 Each group's half of dQ = dS K needs both groups' dS. Met at a barrier every step, the two
 groups run in phase: both wait on the exp2s and dS while the tensor cores idle, then both queue
-their products. Staggered (the default where a third dS buffer fits), group 0 multiplies a
+their products. Staggered (wherever a third dS buffer fits), group 0 multiplies a
 step's dS into dQ one step late, behind its next dS, and group 1 at once: each then waits only
 for a dS the other stored a while ago (a named barrier per group and dS buffer), so the groups
 drift apart and one's exp2s run under the other's products (on an H100 4% faster over 15
@@ -48,6 +48,9 @@ tile together and block n waits n steps before it starts; where the host knows t
 on the GPU at once (``rotate``), block n instead walks the query blocks from n * M / N on,
 wrapping around, and each tile's order is the order the blocks reach it in: in lockstep no
 CTA waits. With documents, rows that are one document walk rotated (the same bits as without).
+Staggered (above), each warp group's half of a dQ tile has a counter of its own: group 0's
+half arrives a step late, and its order then runs a step behind group 1's instead of holding
+both up.
 
 Packed documents (has_docs, one variant for every boundary set): a CTA walks only the query
 tiles its keys' documents reach (from the host, with per query tile the run of K/V blocks that
@@ -85,7 +88,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from ringfa4.kernels import wgmma
 from ringfa4.kernels.barriers import BwdBarrier
 from ringfa4.kernels.dq_layout import (NUM_MMA_WG, QUERY_TILES, REGS_PER_STORE, WG_THREADS,
-                                       parts_split_rows, parts_transposed)
+                                       parts_split_rows, parts_transposed, turn_counters)
 from ringfa4.kernels.layout import acc_rows_view, carve, rows_major, seq_major, transpose
 from ringfa4.kernels.mask import AttentionMask
 from ringfa4.kernels.ptx import bulk_reduce_add_f32, convert_to
@@ -167,6 +170,13 @@ class AttentionBackwardSm90:
         # pipeline stage.
         self.staggered = staggered
         self.ds_stages = DS_BUFFERS if staggered else self.stages
+        # Deterministic and staggered, group 0's dQ part of a step is ready a step after group
+        # 1's: each part (disjoint memory) then takes its turns on its own counter, reduced by a
+        # dQ warp of its own, so that neither waits for the other's landing and no CTA for
+        # another's late part. Else one dQ warp reduces both parts.
+        self.dq_turns = turn_counters(staggered) if deterministic else 1
+        self.dq_warp_parts = (tuple((wg,) for wg in range(NUM_MMA_WG)) if self.dq_turns > 1
+                              else (tuple(range(NUM_MMA_WG)),))
         # A stage of the lse / delta rows starts on 128 bytes, where TMA writes shared memory.
         self.stats_stride = -(-tile_m // 32) * 32
         # dQ = dS K is split over the two MMA warp groups along rows when tile_m = 128, else
@@ -251,8 +261,8 @@ class AttentionBackwardSm90:
         """q, dout (b, sq, h, d); k, v (b, sk, hk, d); lse2, delta (b, h, sq rounded up to
         tile_m) fp32, lse2 in log2 units with +inf on rows that see no key; dq_acc (b, h,
         sq tiles * tile_m * head_dim) fp32 in fragment order (dq_layout.py; added into); dk, dv
-        (b, sk, hk, d) of dkv_dtype; sem (b, h, sq tiles) and sem_kv (b, hk, kv blocks) int32
-        zeros when deterministic (the orders of dQ's and dK/dV's reductions), else None. With
+        (b, sk, hk, d) of dkv_dtype; sem (b, h, sq tiles * dq_turns) and sem_kv (b, hk, kv blocks)
+        int32 zeros when deterministic (the orders of dQ's and dK/dV's reductions), else None. With
         has_docs (else None), int32: query_lo, query_hi (b, sk) the queries each key is visible
         to (its document's, from the key on when causal); query_blocks (b, kv blocks, 2) the
         query tiles [first, end) each KV block visits; key_blocks (b, query tiles, 2) the first
@@ -422,9 +432,12 @@ class AttentionBackwardSm90:
                            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, pipe_q, pipe_do,
                            mbar_kv, n_block, kv_head, batch,
                            BwdStepScheduler(kv_slot * heads, m_block_min, steps_per_head, rotation), num_steps)
-            if warp_idx == 1:
-                self._store_dq(mdQ, sdQ, mSem, mKeyBlocks, n_block, num_n_blocks, batch, rotated,
-                               BwdStepScheduler(kv_slot * heads, m_block_min, steps_per_head, rotation), num_steps)
+            for w in cutlass.range_constexpr(len(self.dq_warp_parts)):
+                if warp_idx == 1 + w:
+                    self._store_dq(mdQ, sdQ, mSem, mKeyBlocks, n_block, num_n_blocks, batch, rotated,
+                                   self.dq_warp_parts[w],
+                                   BwdStepScheduler(kv_slot * heads, m_block_min, steps_per_head, rotation),
+                                   num_steps)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             acc_dK, acc_dV = self._mma(
@@ -505,50 +518,62 @@ class AttentionBackwardSm90:
 
     @cute.jit
     def _store_dq(self, mdQ, sdQ, mSem, mKeyBlocks, n_block, num_n_blocks, batch, rotated,
-                  steps: BwdStepScheduler, num_steps):
-        """Lane 0 reduces each warp group's dQ part into its fragment-order block of mdQ
-        (bulk copies are tracked per issuing thread, so one lane issues and waits)."""
+                  parts: cutlass.Constexpr, steps: BwdStepScheduler, num_steps):
+        """Lane 0 reduces the dQ ``parts`` (warp groups) of every step into their fragment-order
+        blocks of mdQ (bulk copies are tracked per issuing thread, so one lane issues and
+        waits)."""
         lane = cute.arch.lane_idx()
         part_bytes = self.dq_part * Float32.width // 8
         for step in cutlass.range(num_steps, unroll=1):
             head, m_block = steps.coords(step)
-            for wg in cutlass.range_constexpr(NUM_MMA_WG):
+            for i in cutlass.range_constexpr(len(parts)):
                 if const_expr(not self.deterministic):
                     if lane == 0:
                         # The previous reduction out of this buffer must have read it.
-                        cute.arch.cp_async_bulk_wait_group(NUM_MMA_WG - 1 - wg, read=True)
+                        cute.arch.cp_async_bulk_wait_group(len(parts) - 1 - i, read=True)
                     cute.arch.sync_warp()
-                cute.arch.barrier_arrive(barrier_id=BwdBarrier.DQ_EMPTY + wg,
+                cute.arch.barrier_arrive(barrier_id=BwdBarrier.DQ_EMPTY + parts[i],
                                          number_of_threads=WG_THREADS + 32)
             if const_expr(self.deterministic):
-                # Wait for the KV blocks that add into this dQ tile before this one: blocks
-                # 0 .. n_block-1, or for causal the blocks after this one (descending order).
-                turn = n_block
-                if const_expr(self.has_docs):
-                    # Only the contiguous run of blocks first .. last visits this tile.
-                    turn = (mKeyBlocks[batch, m_block, 1] - n_block if const_expr(self.causal)
-                            else n_block - mKeyBlocks[batch, m_block, 0])
-                elif const_expr(self.causal):
-                    n_visible = cutlass.min(((m_block + 1) * self.tile_m - 1) // self.tile_n + 1,
-                                            num_n_blocks)
-                    turn = n_visible - 1 - n_block
-                if const_expr(self.rotates):
-                    if rotated != 0:
-                        turn = self._rotated_turn(n_block, m_block, num_n_blocks,
-                                                  steps.steps_per_head, steps.rotation)
-                sem_ptr = (mSem[None, head, batch].iterator + m_block)
+                # Wait for the KV blocks that add into this dQ tile (or part) before this one.
+                turn = self._dq_turn(mKeyBlocks, n_block, num_n_blocks, batch, m_block, rotated, steps)
+                sem_ptr = mSem[None, head, batch].iterator + m_block * self.dq_turns
+                if const_expr(self.dq_turns > 1):
+                    sem_ptr = sem_ptr + parts[0]
                 wait_turn(sem_ptr, turn)
             gdQ = mdQ[None, head, batch].iterator + m_block * NUM_MMA_WG * self.dq_part
-            for wg in cutlass.range_constexpr(NUM_MMA_WG):
+            for i in cutlass.range_constexpr(len(parts)):
+                wg = parts[i]
                 cute.arch.barrier(barrier_id=BwdBarrier.DQ_FULL + wg, number_of_threads=WG_THREADS + 32)
                 if lane == 0:
                     bulk_reduce_add_f32(gdQ + wg * self.dq_part, sdQ[None, wg].iterator,
                                          part_bytes)
                     cute.arch.cp_async_bulk_commit_group()
             if const_expr(self.deterministic):
-                pass_turn(sem_ptr)  # both parts landed before the next KV block may add
+                pass_turn(sem_ptr)  # landed before the next KV block may add
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def _dq_turn(self, mKeyBlocks, n_block, num_n_blocks, batch, m_block, rotated,
+                 steps: BwdStepScheduler):
+        """Deterministic: how many KV blocks add into dQ tile m_block before this one: blocks
+        0 .. n_block-1, or for causal the blocks after this one (descending order); with
+        documents counted within the contiguous run of blocks that visits the tile; rotated,
+        in the order the walks reach the tile."""
+        turn = n_block
+        if const_expr(self.has_docs):
+            turn = (mKeyBlocks[batch, m_block, 1] - n_block if const_expr(self.causal)
+                    else n_block - mKeyBlocks[batch, m_block, 0])
+        elif const_expr(self.causal):
+            n_visible = cutlass.min(((m_block + 1) * self.tile_m - 1) // self.tile_n + 1,
+                                    num_n_blocks)
+            turn = n_visible - 1 - n_block
+        if const_expr(self.rotates):
+            if rotated != 0:
+                turn = self._rotated_turn(n_block, m_block, num_n_blocks,
+                                          steps.steps_per_head, steps.rotation)
+        return turn
 
     @cute.jit
     def _rotated_turn(self, n_block, m_block, num_n_blocks, num_m_blocks, rotation):

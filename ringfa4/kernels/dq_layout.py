@@ -27,3 +27,10 @@ def parts_split_rows(tile_m: int) -> bool:
 def parts_transposed(tile_m: int) -> bool:
     """Whether a part is held as dQ^T (the tile's rows are no multiple of wgmma's 64)."""
     return tile_m % PART != 0
+
+
+def turn_counters(staggered: bool) -> int:
+    """Deterministic mode's turn counters per dQ tile (bwd_sm90.py orders the tile's reductions
+    with them): one per part with staggered warp groups, whose parts of a step arrive a step
+    apart, else one for the tile."""
+    return NUM_MMA_WG if staggered else 1

@@ -61,12 +61,13 @@ def _bwd_args(cfg: BwdSm90Config):
     kernel = AttentionBackwardSm90(dt, cfg.head_dim, cfg.tile_m, cfg.causal, cfg.deterministic,
                                    Float32 if cfg.dkv_fp32 else dt, cfg.has_docs, cfg.doc_order, cfg.staggered,
                                    cfg.whole_keys)
-    b, sq, sk, h, hk, sq_pad, n_m, dq_len, n_n = (cute.sym_int() for _ in range(9))
+    b, sq, sk, h, hk, sq_pad, n_m, dq_len, n_n, n_turns = (cute.sym_int() for _ in range(10))
     d = cfg.head_dim
     dq_acc = _fake(Float32, (b, h, dq_len), align_elems=4)  # fragment order
+    # sem: the dQ tiles' turn counters, one per tile or per warp group's part (dq_layout.turn_counters)
     sem, sem_kv = ((cute.runtime.make_fake_tensor(Int32, (b, heads, n), stride=(cute.sym_int64(), n, 1),
                                                   assumed_align=4) if cfg.deterministic else None)
-                   for heads, n in ((h, n_m), (hk, n_n)))
+                   for heads, n in ((h, n_turns), (hk, n_n)))
     q, k, v, do = (_bshd(dt, b, s, n, d) for s, n in ((sq, h), (sk, hk), (sk, hk), (sq, h)))
     lse2, delta = (_fake(Float32, (b, h, sq_pad), align_elems=4) for _ in range(2))
     dk, dv = (_bshd(Float32 if cfg.dkv_fp32 else dt, b, sk, hk, d) for _ in range(2))

@@ -200,14 +200,14 @@ def bwd_defaults(dtype: str, head_dim: int, tile_m: int, causal: bool, determini
     ring's query state's): with documents and a free launch order (not deterministic),
     document by document, longest walk first (bench/RESULTS.md, "The backward's launch order
     with documents"); staggered warp groups wherever the tiles leave room for them (64 and 128
-    rows), but not deterministic, whose ordered dQ reductions would wait for group 0's late part
-    (bench/RESULTS.md, "Staggered warp groups in the backward"). Keys that fill whole K/V blocks
+    rows; deterministic too, each group's dQ part ordered on its own: bench/RESULTS.md,
+    "Staggered warp groups in the backward" and "... in the deterministic backward"). Keys that fill whole K/V blocks
     (``whole_key_blocks``) take the variant without key mask at head dim 128 in the default mode,
     not causal (1.003-1.021x; none at head dim 64: bench/RESULTS.md, "The non-causal backward
     without mask code")."""
     return BwdSm90Config(dtype, head_dim, tile_m, causal, deterministic, dkv_fp32, has_docs,
                          doc_order=has_docs and not deterministic,
-                         staggered=not deterministic and tile_m % 64 == 0,
+                         staggered=tile_m % 64 == 0,
                          whole_keys=whole_key_blocks and head_dim == 128
                          and not (causal or deterministic or has_docs))
 

@@ -16,7 +16,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ringfa4.backends import DqBuffer
 from ringfa4.backends.cute.configs import bwd_defaults, fwd_defaults, query_tile, query_tiles
-from ringfa4.backends.cute.launch import capability, compiled, device_index, dsl_installed, key_tile, num_sms
+from ringfa4.backends.cute.launch import (capability, compiled, device_index, dq_turn_counters, dsl_installed,
+                                          key_tile, num_sms)
 from ringfa4.backends.cute.query_state import (QueryRows, QueryState, padded_rows, postprocess_dq,
                                                query_rows)
 from ringfa4.backends.cute.tensors import (DTYPE_NAMES, INPUT_DTYPES, layout_reason, tma_compatible,
@@ -501,15 +502,16 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         dk_out, dv_out = sums.unbind(0)
     else:
         dk_out, dv_out = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
-    sems = (None, None)
-    if deterministic:  # turn counters ordering the dQ tiles' and the dK/dV blocks' reductions
-        n_m, n_n = padded_rows(sq, tile_m) // tile_m, -(-sk // key_tile())
-        counters = torch.zeros(b * (h * n_m + hk * n_n), dtype=torch.int32, device=q.device)
-        sems = (counters[:b * h * n_m].view(b, h, n_m), counters[b * h * n_m:].view(b, hk, n_n))
     config = bwd_defaults(DTYPE_NAMES[q.dtype], d, tile_m, bool(causal), bool(deterministic),
                           dk_out.dtype == torch.float32, doc_ids is not None, sk % key_tile() == 0)
     if doc_order is not None:
         config = replace(config, doc_order=doc_order)
+    sems = (None, None)
+    if deterministic:  # turn counters ordering the dQ tiles' and the dK/dV blocks' reductions
+        n_m = padded_rows(sq, tile_m) // tile_m * dq_turn_counters(config.staggered)
+        n_n = -(-sk // key_tile())
+        counters = torch.zeros(b * (h * n_m + hk * n_n), dtype=torch.int32, device=q.device)
+        sems = (counters[:b * h * n_m].view(b, h, n_m), counters[b * h * n_m:].view(b, hk, n_n))
     docs = (None,) * 5
     if doc_ids is not None:
         order = launch_order(doc_ids, causal, tile_m, hk * splits) if config.doc_order else None

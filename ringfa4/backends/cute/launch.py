@@ -22,6 +22,13 @@ def key_tile():
     return 64 * NUM_MMA_WG
 
 
+def dq_turn_counters(staggered):
+    """The deterministic backward's turn counters per dQ tile (ringfa4.kernels.dq_layout)."""
+    from ringfa4.kernels.dq_layout import turn_counters
+
+    return turn_counters(staggered)
+
+
 @functools.cache
 def num_sms(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
