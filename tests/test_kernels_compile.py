@@ -21,7 +21,7 @@ from ringfa4.backends.cute.configs import (VARIANTS, DqPostprocessConfig, MergeC
 
 
 SUBSET = (r"^fwd_sm90_|^bwd_sm90_bf16_d(64_m128|128_m64)_(full|causal)_atomic_dkvstore(_docs_docorder|_wholekeys)?_stagger$"
-          r"|^bwd_sm90_bf16_d128_m64_causal_det_dkvadd32_docs_stagger$|^bwd_sm90_bf16_d128_m80_full_det_dkvstore$")
+          r"|^bwd_sm90_bf16_d128_m64_causal_det_dkvadd32_docs_stagger$|^bwd_sm90_bf16_d128_m64_full_det_dkvstore_stagger$")
 
 
 def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_shipped_variants(tmp_path):
@@ -41,12 +41,12 @@ def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_shipped_variants(tmp_path):
     assert sum(v.name.startswith("fwd_") and v.name.endswith("_order") for v in chosen) == 12
     assert sum(v.name.startswith("fwd_") and v.name.endswith("_docs_order") for v in chosen) == 6
     assert sum(v.name.startswith("fwd_") and "_gqa4" in v.name for v in chosen) == 12
-    # d64 and d128 x causal or not, without and with documents; 2 deterministic (one 80-row);
+    # d64 and d128 x causal or not, without and with documents; 2 deterministic;
     # d128 not causal without key mask (keys in whole K/V blocks)
     assert sum(v.name.startswith("bwd_") for v in chosen) == 11
     assert sum(v.name.startswith("bwd_") and "_docs" in v.name for v in chosen) == 5
-    # the warp groups staggered wherever a third dS buffer fits: all but the 80-row tile
-    assert sum(v.name.startswith("bwd_") and v.name.endswith("_stagger") for v in chosen) == 10
+    # the warp groups staggered in every mode
+    assert sum(v.name.startswith("bwd_") and v.name.endswith("_stagger") for v in chosen) == 11
     assert sum(v.name.startswith("bwd_") and "_wholekeys" in v.name for v in chosen) == 1
     lines = [line for line in run.stdout.splitlines() if line.strip()]
     assert len(lines) == len(chosen)
@@ -78,22 +78,6 @@ def test_dq_postprocess_moves_16_bytes_per_access(dtype, add, head_dim, tile_m, 
     assert all(".v4" in match.group(0) for match in re.finditer(r"\b(ld|st)\.global[.\w]*", ptx))
     assert len(re.findall(r"\bld\.global", ptx)) == 8 + (4 * per_piece if add else 0)
     assert len(re.findall(r"\bst\.global", ptx)) == 4 * per_piece
-
-
-@pytest.mark.parametrize("dtype,add", [("bf16", False), ("fp32", True)])
-def test_dq_postprocess_of_80_row_tiles_reads_16_bytes_and_writes_single_values(dtype, add, tmp_path):
-    """80-row tiles hold dQ^T (dq_layout.py): the postprocess still reads 2 runs of 64 bytes per
-    thread, and writes (adds into) 2 columns of 8 query rows with one value per access (the lanes
-    of a warp cover 32 columns of one row)."""
-    from ringfa4.backends.cute.compile import compile_variant
-
-    ptx = compile_variant(DqPostprocessConfig(dtype, 128, 80, add),
-                          options=f"--keep-ptx --dump-dir {tmp_path}").__ptx__
-    loads = [m.group(0) for m in re.finditer(r"\bld\.global[.\w]*", ptx)]
-    stores = [m.group(0) for m in re.finditer(r"\bst\.global[.\w]*", ptx)]
-    assert sum(".v4" in x for x in loads) == 8
-    assert len(loads) == 8 + (32 if add else 0) and len(stores) == 32
-    assert not any(".v" in x for x in stores)
 
 
 @pytest.mark.parametrize("out_dtype,part_dtype", [("bf16", "bf16"), ("fp32", "bf16")])
@@ -372,9 +356,9 @@ def test_backward_keeps_the_grids_launch_order_where_it_is_relied_on_or_meaningl
     from ringfa4.backends.cute.configs import bwd_defaults
     from ringfa4.kernels.bwd_sm90 import AttentionBackwardSm90
 
-    assert bwd_defaults("bf16", 128, 64, True, False, False, True).doc_order
-    assert not bwd_defaults("bf16", 128, 64, True, True, False, True).doc_order
-    assert not bwd_defaults("bf16", 128, 64, True, False, False, False).doc_order
+    assert bwd_defaults("bf16", 128, True, False, False, True).doc_order
+    assert not bwd_defaults("bf16", 128, True, True, False, True).doc_order
+    assert not bwd_defaults("bf16", 128, True, False, False, False).doc_order
     for deterministic, has_docs in ((True, True), (False, False)):
         with pytest.raises(ValueError, match="doc_order"):
             AttentionBackwardSm90(BFloat16, 128, 64, True, deterministic, BFloat16, has_docs, doc_order=True)
@@ -389,10 +373,10 @@ def test_backward_drops_its_key_mask_only_for_keys_in_whole_blocks_at_head_dim_1
     from ringfa4.backends.cute.configs import bwd_defaults
     from ringfa4.kernels.bwd_sm90 import AttentionBackwardSm90
 
-    assert bwd_defaults("bf16", 128, 64, False, False, False, False, True).whole_keys
-    for args in ((128, 64, False, False, False, False, False), (128, 64, True, False, False, False, True),
-                 (128, 80, False, True, False, False, True), (128, 64, False, False, False, True, True),
-                 (64, 128, False, False, False, False, True)):
+    assert bwd_defaults("bf16", 128, False, False, False, False, True).whole_keys
+    for args in ((128, False, False, False, False, False), (128, True, False, False, False, True),
+                 (128, False, True, False, False, True), (128, False, False, False, True, True),
+                 (64, False, False, False, False, True)):
         assert not bwd_defaults("bf16", *args).whole_keys, args
     with pytest.raises(ValueError, match="whole_keys"):
         AttentionBackwardSm90(BFloat16, 128, 64, False, False, BFloat16, True, whole_keys=True)

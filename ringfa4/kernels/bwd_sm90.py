@@ -12,8 +12,9 @@ fp32 reduce-adds, in a fixed order when deterministic), recomputing P from the l
 (dS carries the softmax scale, so dQ and dK need no multiply of their own.)
 
 Warp roles (384 threads): warp 0 loads Q, dO, lse, delta through a two-stage TMA pipeline;
-warp 1 reduces each dQ tile into global memory (cp.reduce.async.bulk add); warp groups
-1 and 2 each own 64 rows of the K/V block for S, dP, dV and dK, and half of the dQ tile. S and
+warp 1 reduces each dQ tile into global memory (cp.reduce.async.bulk add; deterministic and
+staggered, warps 1 and 2 a half each, see below); warp groups 1 and 2 each own 64 rows of the
+K/V block for S, dP, dV and dK, and half of the dQ tile. S and
 dP are computed transposed so that P^T and dS^T stay in registers as the A operand of the dV
 and dK products; only dS goes through shared memory (for dQ). dK and dV stay in registers
 until the CTA is done; then they are staged in the idle Q/dO/K/V tiles and written (or added,
@@ -23,7 +24,7 @@ log2 units come from bwd_preprocess.py.
 
 Each group's half of dQ = dS K needs both groups' dS. Met at a barrier every step, the two
 groups run in phase: both wait on the exp2s and dS while the tensor cores idle, then both queue
-their products. Staggered (wherever a third dS buffer fits), group 0 multiplies a
+their products. Staggered (the default), group 0 multiplies a
 step's dS into dQ one step late, behind its next dS, and group 1 at once: each then waits only
 for a dS the other stored a while ago (a named barrier per group and dS buffer), so the groups
 drift apart and one's exp2s run under the other's products (on an H100 4% faster over 15
@@ -35,9 +36,7 @@ a thread side by side and threads interleaved, so that every 16-byte shared stor
 one conflict-free 512-byte line and the reduction into global memory is one linear bulk copy.
 (Row-major tiles, as a tensor TMA needs, cost 3-4x the shared-store wavefronts: the swizzle
 cannot separate the row pairs a wgmma accumulator writes together.) dq_layout.py holds that
-layout; bwd_postprocess.py puts dQ back in (b, s, h, d). Query tiles of 80 rows (head_dim 128,
-deterministic mode: configs.query_tile) are no multiple of wgmma's 64 rows, so there each warp
-group computes its part transposed, dQ^T = K^T dS^T, and holds it in that order.
+layout; bwd_postprocess.py puts dQ back in (b, s, h, d).
 
 Deterministic mode orders the dQ reductions: the reduction of KV block j into a dQ tile waits
 on a per-tile counter until the blocks before it in a fixed order have landed (ascending, or
@@ -48,9 +47,10 @@ tile together and block n waits n steps before it starts; where the host knows t
 on the GPU at once (``rotate``), block n instead walks the query blocks from n * M / N on,
 wrapping around, and each tile's order is the order the blocks reach it in: in lockstep no
 CTA waits. With documents, rows that are one document walk rotated (the same bits as without).
-Staggered (above), each warp group's half of a dQ tile has a counter of its own: group 0's
-half arrives a step late, and its order then runs a step behind group 1's instead of holding
-both up.
+Staggered (above), each warp group's half of a dQ tile has a counter of its own and a dQ warp
+of its own (warps 1 and 2) that reduces it: group 0's half arrives a step late, and its order
+then runs a step behind group 1's instead of holding both up (on an H100 1.04x at head_dim 64,
+1.09x at 128, bench/RESULTS.md).
 
 Packed documents (has_docs, one variant for every boundary set): a CTA walks only the query
 tiles its keys' documents reach (from the host, with per query tile the run of K/V blocks that
@@ -72,8 +72,7 @@ before the next.
 Per MMA thread (wgmma m64nNk16 accumulators, each warp group 64 rows of the K/V block):
   S^T, dP^T  ((2, 2, tile_m / 8), 1, 1) fp32      P^T, dS^T: the same shape in 16 bits
   dK, dV     ((2, 2, head_dim / 8), 1, 1) fp32    kept until the epilogue
-  dQ part    64 x 64 fp32, 64 x 80 (dQ^T) with 80-row tiles (dq_layout.py), handed to the dQ
-             warp through shared memory
+  dQ part    64 x 64 fp32 (dq_layout.py), handed to the dQ warp through shared memory
 """
 from types import SimpleNamespace
 from typing import Optional
@@ -87,8 +86,8 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from ringfa4.kernels import wgmma
 from ringfa4.kernels.barriers import BwdBarrier
-from ringfa4.kernels.dq_layout import (NUM_MMA_WG, QUERY_TILES, REGS_PER_STORE, WG_THREADS,
-                                       parts_split_rows, parts_transposed, turn_counters)
+from ringfa4.kernels.dq_layout import (NUM_MMA_WG, QUERY_TILE, REGS_PER_STORE, WG_THREADS, parts_split_rows,
+                                       turn_counters)
 from ringfa4.kernels.layout import acc_rows_view, carve, rows_major, seq_major, transpose
 from ringfa4.kernels.mask import AttentionMask
 from ringfa4.kernels.ptx import bulk_reduce_add_f32, convert_to
@@ -125,8 +124,7 @@ class AttentionBackwardSm90:
     """Compile-time configuration of the backward kernel; call it under ``cute.compile``.
 
     dtype: Float16 or BFloat16 (q, k, v, dout). head_dim: 64 or 128. tile_m: query rows per
-    step, one of dq_layout.QUERY_TILES[head_dim]. dkv_dtype: dtype of
-    dk/dv; Float32 means "add into", the input dtype means "overwrite". dq is always an fp32
+    step, dq_layout.QUERY_TILE[head_dim]. dkv_dtype: dtype of dk/dv; Float32 means "add into", the input dtype means "overwrite". dq is always an fp32
     buffer that the kernel adds into.
     """
 
@@ -139,14 +137,12 @@ class AttentionBackwardSm90:
             raise ValueError(f"dtype must be Float16 or BFloat16, got {dtype}")
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
-        if tile_m not in QUERY_TILES[head_dim]:
-            raise ValueError(f"tile_m must be one of {QUERY_TILES[head_dim]} at head_dim {head_dim}, got {tile_m}")
+        if tile_m != QUERY_TILE[head_dim]:
+            raise ValueError(f"tile_m must be {QUERY_TILE[head_dim]} at head_dim {head_dim}, got {tile_m}")
         if dkv_dtype not in (dtype, Float32):
             raise ValueError(f"dkv_dtype must be {dtype} or Float32, got {dkv_dtype}")
         if doc_order and (deterministic or not has_docs):
             raise ValueError("doc_order needs has_docs and not deterministic (whose waits rely on the grid's order)")
-        if staggered and parts_transposed(tile_m):
-            raise ValueError(f"staggered warp groups' third dS buffer does not fit shared memory with {tile_m}-row tiles")
         if whole_keys and has_docs:
             raise ValueError("whole_keys is for calls without documents, whose masks come from the documents")
         self.dtype = dtype
@@ -180,23 +176,20 @@ class AttentionBackwardSm90:
         # A stage of the lse / delta rows starts on 128 bytes, where TMA writes shared memory.
         self.stats_stride = -(-tile_m // 32) * 32
         # dQ = dS K is split over the two MMA warp groups along rows when tile_m = 128, else
-        # along head_dim; each warp group reduces its own part. 80-row tiles compute
-        # dQ^T = K^T dS^T (dq_layout.py).
+        # along head_dim; each warp group reduces its own part (dq_layout.py).
         self.dq_split_rows = parts_split_rows(tile_m)
-        self.dq_transposed = parts_transposed(tile_m)
         self.dq_cols = head_dim if self.dq_split_rows else head_dim // NUM_MMA_WG
         self.dq_part = self.tile_m * head_dim // NUM_MMA_WG
         self.mma_regs = 240
         self.attention_mask = AttentionMask(self.tile_m, self.tile_n, causal, key_first=True)
         self.load_regs = 24
-        # hdim 128, 64-row tiles: the lse goes into registers while S^T is computed (loaded
+        # hdim 128 (64-row tiles): the lse goes into registers while S^T is computed (loaded
         # after S^T's wait, the first exp2 stalls on the shared-memory load: ~10% of the
         # kernel's stall samples), and dS^T is computed with every instruction that reads dP^T
         # also reading P^T (_score_grads), which ptxas schedules better there (3-6% in an A/B).
         # Documents take the second only (the first cost them 4-6%; both kept, one document
-        # gives the dense bits); hdim 64 and 80-row tiles neither, which measured faster there
-        # (RESULTS).
-        self.ds_from_p = head_dim == 128 and tile_m == 64
+        # gives the dense bits); hdim 64 neither, which measured faster there (RESULTS).
+        self.ds_from_p = head_dim == 128
         self.early_stats = self.ds_from_p and not has_docs
 
     # ---------------------------------------------------------------- host side (traced once)
@@ -219,14 +212,10 @@ class AttentionBackwardSm90:
         self.mma_dkv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, MN, Float32, wg_rows, (64, self.head_dim),
             a_source=warpgroup.OperandSource.RMEM)
-        # dQ = dS K (or dQ^T = K^T dS^T) from shared memory.
-        if self.dq_transposed:
-            self.mma_dq = sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype, MN, K, Float32, wg_rows, (64, self.tile_m))
-        else:
-            self.mma_dq = sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype, K, MN, Float32,
-                wg_rows if self.dq_split_rows else (1, NUM_MMA_WG, 1), (64, self.dq_cols))
+        # dQ = dS K from shared memory.
+        self.mma_dq = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, MN, Float32,
+            wg_rows if self.dq_split_rows else (1, NUM_MMA_WG, 1), (64, self.dq_cols))
 
     def _storage(self):
         d_q, d_k, d_s = (cute.cosize(l) for l in (self.sQ_layout, self.sK_layout, self.sdS_layout))
@@ -694,10 +683,7 @@ class AttentionBackwardSm90:
     def _dq_product(self, ops, mma_dq, acc_dq, buf, wait: cutlass.Constexpr):
         """This group's dQ part = dS K from dS buffer ``buf`` (issued; ``wait`` wgmma groups
         left in flight)."""
-        if const_expr(self.dq_transposed):
-            wgmma.gemm(mma_dq, acc_dq, ops.tdQrK, ops.tdQrdS[None, None, None, buf], zero_init=True, wait=wait)
-        else:
-            wgmma.gemm(mma_dq, acc_dq, ops.tdQrdS[None, None, None, buf], ops.tdQrK, zero_init=True, wait=wait)
+        wgmma.gemm(mma_dq, acc_dq, ops.tdQrdS[None, None, None, buf], ops.tdQrK, zero_init=True, wait=wait)
 
     @cute.jit
     def _wait_ds(self, ops, buf):
@@ -722,14 +708,9 @@ class AttentionBackwardSm90:
         ops.tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         ops.tdVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose(sdO)))
         ops.tdKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose(sQ)))
-        if self.dq_transposed:
-            ops.tdQrK = wg_dq.make_fragment_A(wg_dq.partition_A(transpose(sK)))
-            ops.tdQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
-            ops.acc_shape_dq = mma_dq.partition_shape_C((d, self.tile_m))
-        else:
-            ops.tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-            ops.tdQrK = wg_dq.make_fragment_B(wg_dq.partition_B(transpose(sK)))
-            ops.acc_shape_dq = mma_dq.partition_shape_C((self.tile_m, d))
+        ops.tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        ops.tdQrK = wg_dq.make_fragment_B(wg_dq.partition_B(transpose(sK)))
+        ops.acc_shape_dq = mma_dq.partition_shape_C((self.tile_m, d))
 
         ops.acc_shape_s = mma_sdp.partition_shape_C((self.tile_n, self.tile_m))
         ops.acc_dK = cute.make_rmem_tensor(mma_dkv.partition_shape_C((self.tile_n, d)), Float32)

@@ -5,10 +5,8 @@ Two MMA warp groups of 128 threads each compute one part of every dQ tile: 64 ro
 64 (128-row tiles), 64 columns at 128. A part is the accumulator of a wgmma m64nNk16, stored as
 [register group j][thread t][REGS_PER_STORE registers], a thread's registers in order, so that
 register 4 j + 2 hh + e of thread 32 warp + 4 r + c holds accumulator row 16 warp + 8 hh + r and
-column 8 j + 2 c + e (PTX ISA, wgmma D fragment). The accumulator is the part itself (rows =
-query rows), or, for tiles of 80 query rows (no multiple of wgmma's 64), its transpose dQ^T
-(rows = head_dim columns, columns = query rows). Per (batch, head) the parts follow each other
-by query tile, then warp group.
+column 8 j + 2 c + e (PTX ISA, wgmma D fragment). Per (batch, head) the parts follow each
+other by query tile, then warp group.
 """
 NUM_MMA_WG = 2
 WG_THREADS = 128
@@ -16,17 +14,12 @@ PART = 64  # a warp group's part spans PART rows (head_dim 64) or PART columns (
 REGS_PER_STORE = 4  # registers a thread stores side by side (16 bytes)
 
 
-QUERY_TILES = {64: (128,), 128: (64, 80)}  # the backward's query tiles (rows) at each head_dim
+QUERY_TILE = {64: 128, 128: 64}  # the backward's query tile (rows) at each head_dim
 
 
 def parts_split_rows(tile_m: int) -> bool:
     """Whether the warp groups' parts split a dQ tile's rows (else its columns)."""
     return tile_m == PART * NUM_MMA_WG
-
-
-def parts_transposed(tile_m: int) -> bool:
-    """Whether a part is held as dQ^T (the tile's rows are no multiple of wgmma's 64)."""
-    return tile_m % PART != 0
 
 
 def turn_counters(staggered: bool) -> int:

@@ -128,7 +128,7 @@ def test_query_heads_split_over_ctas_when_kv_blocks_are_few(b, s, h, hk, d, caus
 @pytest.mark.parametrize("staggered", [False, True], ids=["lockstep", "staggered"])
 @pytest.mark.parametrize("b,s,h,hk,d,causal,deterministic", [
     (2, 1000, 4, 2, 128, True, False), (1, 777, 4, 4, 64, True, False), (2, 555, 4, 4, 64, False, False),
-    (1, 1500, 8, 2, 64, True, True), (1, 2048, 32, 8, 128, True, False)])
+    (1, 1500, 8, 2, 64, True, True), (1, 2048, 32, 8, 128, True, False), (1, 1000, 8, 2, 128, False, True)])
 def test_warp_groups_in_lockstep_or_staggered_match_fp64(monkeypatch, staggered, b, s, h, hk, d, causal,
                                                           deterministic):
     """The MMA warp groups meeting at every step or a dQ product apart (BwdSm90Config.staggered
@@ -156,7 +156,7 @@ def test_keys_in_whole_blocks_skip_the_mask_with_the_same_dk_dv(monkeypatch, b, 
     q, k, v, dout = _inputs(b, sq, sk, h, hk, d, torch.bfloat16, seed=sq + h)
     out, lse, g64, glow = _references(q, k, v, dout, False, d ** -0.5)
     _poison_allocator(q, k, v, q.float())
-    assert cute_backend.interface.bwd_defaults("bf16", d, 64, False, False, False, False, True).whole_keys
+    assert cute_backend.interface.bwd_defaults("bf16", d, False, False, False, False, True).whole_keys
     unmasked = cute_backend.backward(dout, q, k, v, out, lse, False, None)
     for name, got, r64, rlow in zip("dq dk dv".split(), unmasked, g64, glow):
         _assert_close(name, got, r64, rlow)
@@ -259,19 +259,19 @@ def test_backward_with_merged_lse_over_two_kv_halves_equals_full_backward():
     _assert_close("dv", dv, g64[2], glow[2])
 
 
-@pytest.mark.parametrize("deterministic,tile_m", [(False, 64), (True, 64), (True, 80)])
-def test_query_state_sums_calls_over_row_chunks_like_one_backward(deterministic, tile_m):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_query_state_sums_calls_over_row_chunks_like_one_backward(deterministic):
     """The ring's use of a QueryState: calls over (query chunk, key half) pieces, with the global
     lse, add into one accumulator; its dq() and the pieces' dk, dv sums are the full gradient.
     600 rows end in a partial query tile; the poisoned allocator shows any accumulator or dq
-    element left unzeroed or unwritten. Both head_dim 128 tiles (80 rows: deterministic without
-    causal; 64: the rest, and a causal ring's non-causal steps)."""
+    element left unzeroed or unwritten, in both modes."""
     b, sq, sk, h, hk, d = 2, 600, 1024, 4, 2, 128
     scale = 0.1
     q, k, v, dout = _inputs(b, sq, sk, h, hk, d, torch.bfloat16, seed=13, offset=8)
     out, lse, g64, glow = _references(q, k, v, dout, False, scale)
     _poison_allocator(q, k, v)
-    state = QueryState(dout, q, out, lse, scale, tile_m)
+    state = QueryState(dout, q, out, lse, scale)
+    tile_m = state.tile_m
     dk = torch.zeros(k.shape, device="cuda")
     dv = torch.zeros(v.shape, device="cuda")
     split = 4 * tile_m
@@ -292,7 +292,7 @@ def test_query_state_sums_calls_over_row_chunks_like_one_backward(deterministic,
 def test_query_state_refuses_rows_off_its_tiles_and_another_scale():
     q, k, v, dout = _inputs(1, 300, 300, 2, 2, 128, torch.bfloat16, seed=2)
     out, lse, _, _ = _references(q, k, v, dout, False, 0.1)
-    state = QueryState(dout, q, out, lse, 0.1, 64)
+    state = QueryState(dout, q, out, lse, 0.1)
     for bad in (slice(10, 300), slice(0, 100), slice(0, 300, 2), slice(64, 64)):
         with pytest.raises(ValueError, match="rows must be"):
             state.rows(bad)

@@ -62,7 +62,7 @@ class BwdSm90Config:
 
     dtype: str  # "bf16" | "fp16"
     head_dim: int
-    tile_m: int  # query rows per step (ringfa4.kernels.dq_layout.QUERY_TILES)
+    tile_m: int  # query rows per step (query_tile)
     causal: bool
     deterministic: bool
     dkv_fp32: bool  # dk, dv are fp32 buffers the kernel adds into (else written in dtype)
@@ -73,8 +73,7 @@ class BwdSm90Config:
     # with the longest walk first (not deterministic: its waits rely on the grid's order).
     doc_order: bool = False
     # The MMA warp groups a dQ product apart instead of meeting at every step (the kernel's
-    # docstring): each waits only for a dS the other stored a while ago. Needs a third dS
-    # buffer, which 80-row tiles have no shared memory for.
+    # docstring): each waits only for a dS the other stored a while ago.
     staggered: bool = False
     # seqlen_k is a whole number of K/V blocks (the host checks): no key mask unless causal.
     whole_keys: bool = False
@@ -176,38 +175,27 @@ def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False
     return cfg
 
 
-def query_tile(head_dim: int, deterministic: bool) -> int:
-    """The backward's query tile (rows per step): 128 at head_dim 64; at 128, 80 in
-    deterministic mode, else 64. 80-row tiles (FA3's and FA4's choice without causal: each
-    step's S^T and dP^T products 25% longer for the same K/V traffic) cut the ordered dQ
-    reductions' waits by a fifth: deterministic 1.00-1.07x non-causal and 1.01-1.12x causal,
-    but 0.92-0.99x in the default mode (bench/RESULTS.md, 80-row query tiles). Where a ring's
-    steps do not start on 80-row tiles, the deterministic backward runs at 64 rows
-    (interface.query_state)."""
-    return 128 if head_dim == 64 else (80 if deterministic else 64)
+def query_tile(head_dim: int) -> int:
+    """The backward's query tile (rows per step), in both modes: 128 at head_dim 64, 64 at 128.
+    (80-row tiles at head_dim 128, FA3's and FA4's choice without causal, were the deterministic
+    mode's until its warp groups were staggered: 64 rows staggered measured 1.00-1.11x them at
+    16 shapes, bench/RESULTS.md.)"""
+    return 128 if head_dim == 64 else 64
 
 
-def query_tiles(head_dim: int, deterministic: bool) -> tuple:
-    """The backward's tiles in this mode, preferred first: its own, then the default mode's,
-    for rings whose steps do not start on the mode's tiles (interface.query_state)."""
-    own, default = query_tile(head_dim, deterministic), query_tile(head_dim, False)
-    return (own,) if own == default else (own, default)
-
-
-def bwd_defaults(dtype: str, head_dim: int, tile_m: int, causal: bool, deterministic: bool,
-                 dkv_fp32: bool, has_docs: bool = False, whole_key_blocks: bool = False) -> BwdSm90Config:
-    """The backward kernel `backward` uses over query tiles of tile_m rows (query_tile(), or a
-    ring's query state's): with documents and a free launch order (not deterministic),
-    document by document, longest walk first (bench/RESULTS.md, "The backward's launch order
-    with documents"); staggered warp groups wherever the tiles leave room for them (64 and 128
-    rows; deterministic too, each group's dQ part ordered on its own: bench/RESULTS.md,
-    "Staggered warp groups in the backward" and "... in the deterministic backward"). Keys that fill whole K/V blocks
+def bwd_defaults(dtype: str, head_dim: int, causal: bool, deterministic: bool, dkv_fp32: bool,
+                 has_docs: bool = False, whole_key_blocks: bool = False) -> BwdSm90Config:
+    """The backward kernel `backward` uses: with documents and a free launch order (not
+    deterministic), document by document, longest walk first (bench/RESULTS.md, "The
+    backward's launch order with documents"); staggered warp groups, deterministic too, each
+    group's dQ part then ordered on its own (bench/RESULTS.md, "Staggered warp groups in the
+    backward", "... in the deterministic backward"). Keys that fill whole K/V blocks
     (``whole_key_blocks``) take the variant without key mask at head dim 128 in the default mode,
     not causal (1.003-1.021x; none at head dim 64: bench/RESULTS.md, "The non-causal backward
     without mask code")."""
-    return BwdSm90Config(dtype, head_dim, tile_m, causal, deterministic, dkv_fp32, has_docs,
+    return BwdSm90Config(dtype, head_dim, query_tile(head_dim), causal, deterministic, dkv_fp32, has_docs,
                          doc_order=has_docs and not deterministic,
-                         staggered=tile_m % 64 == 0,
+                         staggered=True,
                          whole_keys=whole_key_blocks and head_dim == 128
                          and not (causal or deterministic or has_docs))
 
@@ -230,13 +218,13 @@ VARIANTS = (
      for seqlen_k in ((None, 1) if c or d in SHORT_KEYS else (None,))
      for heads_per_kv in ((1, 4) if d == 64 else (1,))]
     + [BwdPreprocessConfig(dt, d) for dt in _DTYPES for d in _HEAD_DIMS]
-    + [DqPostprocessConfig(dt, d, m, add)
-       for d in _HEAD_DIMS for m in query_tiles(d, True)
+    + [DqPostprocessConfig(dt, d, query_tile(d), add)
+       for d in _HEAD_DIMS
        for dt, add in (("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True), ("fp32", True))]
     + list(dict.fromkeys(
-        bwd_defaults(dt, d, m, c, det, f32, docs, whole)
+        bwd_defaults(dt, d, c, det, f32, docs, whole)
         for docs in (False, True) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)
-        for det in (False, True) for m in query_tiles(d, det) for f32 in (False, True)
+        for det in (False, True) for f32 in (False, True)
         for whole in (False, True)))
     + [MergeConfig(out, part, d) for part in _DTYPES for out in (part, "fp32") for d in _HEAD_DIMS]
 )

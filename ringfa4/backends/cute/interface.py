@@ -15,7 +15,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ringfa4.backends import DqBuffer
-from ringfa4.backends.cute.configs import bwd_defaults, fwd_defaults, query_tile, query_tiles
+from ringfa4.backends.cute.configs import bwd_defaults, fwd_defaults, query_tile
 from ringfa4.backends.cute.launch import (capability, compiled, device_index, dq_turn_counters, dsl_installed,
                                           key_tile, num_sms)
 from ringfa4.backends.cute.query_state import (QueryRows, QueryState, padded_rows, postprocess_dq,
@@ -362,7 +362,7 @@ DOC_L2_SPLIT_KEYS = 32768
 
 
 def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, deterministic, sms,
-                has_docs=False, tile_m=None, longest=None):
+                has_docs=False, longest=None):
     """How many backward CTAs share the query heads of one (K/V block, kv head) (GQA).
 
     One CTA walking every query head of its group needs no dK/dV reduction, but with few K/V
@@ -398,10 +398,9 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
     steps) give every query head a CTA. On the simulated 8-rank document ring (128k tokens, 4k
     documents, H200) the slowest rank went 16.7 -> 14.2 ms; dense non-causal steps run 5-20%
     slower split, so they keep the rule above. Causal documents at head dim 128 take one query
-    head per CTA where the longest (``longest`` rows; None: not known) reaches DOC_L2_SPLIT_KEYS.
-    ``tile_m``: the kernel's query tile (None: the default, configs.query_tile)."""
+    head per CTA where the longest (``longest`` rows; None: not known) reaches DOC_L2_SPLIT_KEYS."""
     group = heads // kv_heads
-    tile_m, tile_n = tile_m or query_tile(head_dim, deterministic), key_tile()
+    tile_m, tile_n = query_tile(head_dim), key_tile()
     m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
     ctas = n_blocks * kv_heads * batch
     # causal: K/V block j is visited by the query tiles from j * tile_n / tile_m on
@@ -462,15 +461,14 @@ def _added(given, fresh):
 
 
 def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, dv=None,
-             deterministic=False, doc_ids=None, doc_order=None, tile_m=None):
+             deterministic=False, doc_ids=None, doc_order=None):
     """Gradients of attention with the softmax normalised by the given lse. Given dq/dk/dv
     receive the gradients added to what they hold (fp32 dk/dv by the kernel itself; dq by the
     postprocess that reads the kernel's accumulator). dq may also be the QueryRows of these
     queries (query_state): the kernel then adds into its accumulator and uses its lse2 and
     delta (lse and out are not read again) and returns it as dq. ``doc_ids``: packed documents
     (ringfa4.backends), the has_docs variant; K/V blocks no query sees get dK = dV = 0.
-    ``doc_order`` replaces the default launch order with documents (configs.bwd_defaults), and
-    ``tile_m`` the default query tile (configs.query_tile; a QueryRows dq brings its own), for
+    ``doc_order`` replaces the default launch order with documents (configs.bwd_defaults), for
     benchmarks and tests."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -482,15 +480,13 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         if dq.softmax_scale != scale:
             raise ValueError(f"softmax_scale ({scale}) must be the one of dq's QueryState "
                              f"({dq.softmax_scale})")
-        if tile_m not in (None, dq.tile_m):
-            raise ValueError(f"tile_m ({tile_m}) must be the one of dq's QueryState ({dq.tile_m})")
         rows = dq
     else:
-        rows = query_rows(dout, out, lse, scale, tile_m or query_tile(d, deterministic))
+        rows = query_rows(dout, out, lse, scale)
     tile_m = rows.tile_m
 
     splits = head_splits(b, sq, sk, h, hk, d, causal, deterministic, _sms(q), doc_ids is not None,
-                         tile_m, getattr(doc_ids, "longest", None))
+                         getattr(doc_ids, "longest", None))
     # fp32 dk/dv the kernel can address are added into by the kernel; else it writes new ones,
     # or, with split heads, sums them into zeroed fp32 ones (deterministic: in a fixed order).
     given_fp32 = all(t is not None and t.dtype == torch.float32 and tma_compatible(t) for t in (dk, dv))
@@ -502,7 +498,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         dk_out, dv_out = sums.unbind(0)
     else:
         dk_out, dv_out = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
-    config = bwd_defaults(DTYPE_NAMES[q.dtype], d, tile_m, bool(causal), bool(deterministic),
+    config = bwd_defaults(DTYPE_NAMES[q.dtype], d, bool(causal), bool(deterministic),
                           dk_out.dtype == torch.float32, doc_ids is not None, sk % key_tile() == 0)
     if doc_order is not None:
         config = replace(config, doc_order=doc_order)
@@ -537,11 +533,8 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
 
 def query_state(dout, q, out, lse, softmax_scale, chunk, deterministic):
     """The backward kernel's QueryState when the steps' rows start on its query tiles (chunks of
-    whole tiles, or every step over all rows): the mode's tile, or the default mode's where the
-    chunks are no multiple of it (deterministic 80-row tiles against power-of-two chunks, or
-    document rings' 128-row alignment); DqBuffer otherwise."""
+    whole tiles, or every step over all rows; either mode runs the same tiles), else DqBuffer."""
     s, d = q.shape[1], q.shape[-1]
-    for tile_m in query_tiles(d, deterministic):
-        if chunk >= s or chunk % tile_m == 0:
-            return QueryState(dout, q, out, lse, _scale(softmax_scale, d), tile_m)
+    if chunk >= s or chunk % query_tile(d) == 0:
+        return QueryState(dout, q, out, lse, _scale(softmax_scale, d))
     return DqBuffer(q, lse)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ringfa4.backends.cute.configs import BwdPreprocessConfig, DqPostprocessConfig
+from ringfa4.backends.cute.configs import BwdPreprocessConfig, DqPostprocessConfig, query_tile
 from ringfa4.backends.cute.launch import compiled
 from ringfa4.backends.cute.tensors import DTYPE_NAMES, rows_ready, tma_ready
 
@@ -27,9 +27,11 @@ def padded_rows(s, tile_m):
     return (s + tile_m - 1) // tile_m * tile_m
 
 
-def query_rows(dout, out, lse, softmax_scale, tile_m):
-    """Preprocessed rows of (dout, out, lse) with a zeroed dQ accumulator for tile_m-row tiles."""
+def query_rows(dout, out, lse, softmax_scale):
+    """Preprocessed rows of (dout, out, lse) with a zeroed dQ accumulator for the backward's
+    query tiles (configs.query_tile)."""
     b, s, h, d = out.shape
+    tile_m = query_tile(d)
     padded = padded_rows(s, tile_m)
     dev = out.device
     lse2, delta = torch.empty((2, b, h, padded), dtype=torch.float32, device=dev)  # one allocation
@@ -54,12 +56,12 @@ class QueryState:
     an fp32 dq; and the fp32 dq itself.
 
     ``rows(sl)`` is what a call over the query rows ``sl`` takes as its ``dq``: sl must start
-    on a query tile (a multiple of tile_m) and end on one or at the end; every call runs the
-    backward over tile_m-row tiles."""
+    on a query tile (a multiple of tile_m, configs.query_tile) and end on one or at the end."""
 
-    def __init__(self, dout, q, out, lse, softmax_scale, tile_m):
-        self.shape, self.dtype, self.tile_m = q.shape, q.dtype, tile_m
-        self._all = query_rows(dout, out, lse, softmax_scale, tile_m)
+    def __init__(self, dout, q, out, lse, softmax_scale):
+        self.shape, self.dtype = q.shape, q.dtype
+        self._all = query_rows(dout, out, lse, softmax_scale)
+        self.tile_m = self._all.tile_m
 
     def rows(self, sl: slice) -> QueryRows:
         s, d, tile_m = self.shape[1], self.shape[3], self.tile_m
