@@ -504,10 +504,10 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         config = replace(config, doc_order=doc_order)
     sems = (None, None)
     if deterministic:  # turn counters ordering the dQ tiles' and the dK/dV blocks' reductions
-        n_m = padded_rows(sq, tile_m) // tile_m * dq_turn_counters(config.staggered)
+        n_q = padded_rows(sq, tile_m) // tile_m * dq_turn_counters(config.staggered)  # per query head
         n_n = -(-sk // key_tile())
-        counters = torch.zeros(b * (h * n_m + hk * n_n), dtype=torch.int32, device=q.device)
-        sems = (counters[:b * h * n_m].view(b, h, n_m), counters[b * h * n_m:].view(b, hk, n_n))
+        counters = torch.zeros(b * (h * n_q + hk * n_n), dtype=torch.int32, device=q.device)
+        sems = (counters[:b * h * n_q].view(b, h, n_q), counters[b * h * n_q:].view(b, hk, n_n))
     docs = (None,) * 5
     if doc_ids is not None:
         order = launch_order(doc_ids, causal, tile_m, hk * splits) if config.doc_order else None
