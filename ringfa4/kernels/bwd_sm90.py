@@ -124,8 +124,8 @@ class AttentionBackwardSm90:
     """Compile-time configuration of the backward kernel; call it under ``cute.compile``.
 
     dtype: Float16 or BFloat16 (q, k, v, dout). head_dim: 64 or 128. tile_m: query rows per
-    step, dq_layout.QUERY_TILE[head_dim]. dkv_dtype: dtype of dk/dv; Float32 means "add into", the input dtype means "overwrite". dq is always an fp32
-    buffer that the kernel adds into.
+    step, dq_layout.QUERY_TILE[head_dim]. dkv_dtype: dtype of dk/dv; Float32 means "add into",
+    the input dtype means "overwrite". dq is always an fp32 buffer that the kernel adds into.
     """
 
     num_threads = (NUM_MMA_WG + 1) * WG_THREADS
