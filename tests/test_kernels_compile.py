@@ -20,8 +20,9 @@ from ringfa4.backends.cute.configs import (VARIANTS, DqPostprocessConfig, MergeC
                                            fwd_variant)
 
 
-SUBSET = (r"^fwd_sm90_|^bwd_sm90_bf16_d(64_m128|128_m64)_(full|causal)_atomic_dkvstore(_docs_docorder|_wholekeys)?_stagger$"
-          r"|^bwd_sm90_bf16_d128_m64_causal_det_dkvadd32_docs_stagger$|^bwd_sm90_bf16_d128_m64_full_det_dkvstore_stagger$")
+SUBSET = (r"^fwd_sm90_|^bwd_sm90_bf16_d(64_m128|128_m64)_(full|causal)_atomic_dkvstore(_docs_docorder|_wholekeys)?"
+          r"_stagger(_dqwarp2)?$|^bwd_sm90_bf16_d128_m64_causal_det_dkvadd32_docs_stagger_dqwarp2$"
+          r"|^bwd_sm90_bf16_d128_m64_full_det_dkvstore_stagger_dqwarp2$")
 
 
 def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_shipped_variants(tmp_path):
@@ -46,7 +47,9 @@ def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_shipped_variants(tmp_path):
     assert sum(v.name.startswith("bwd_") for v in chosen) == 11
     assert sum(v.name.startswith("bwd_") and "_docs" in v.name for v in chosen) == 5
     # the warp groups staggered in every mode
-    assert sum(v.name.startswith("bwd_") and v.name.endswith("_stagger") for v in chosen) == 11
+    assert sum(v.name.startswith("bwd_") and "_stagger" in v.name for v in chosen) == 11
+    # a dQ warp per warp group's part: deterministic, and d128 not causal
+    assert sum(v.name.startswith("bwd_") and v.name.endswith("_dqwarp2") for v in chosen) == 5
     assert sum(v.name.startswith("bwd_") and "_wholekeys" in v.name for v in chosen) == 1
     lines = [line for line in run.stdout.splitlines() if line.strip()]
     assert len(lines) == len(chosen)

@@ -12,10 +12,9 @@ fp32 reduce-adds, in a fixed order when deterministic), recomputing P from the l
 (dS carries the softmax scale, so dQ and dK need no multiply of their own.)
 
 Warp roles (384 threads): warp 0 loads Q, dO, lse, delta through a two-stage TMA pipeline;
-warp 1 reduces each dQ tile into global memory (cp.reduce.async.bulk add; deterministic and
-staggered, warps 1 and 2 a half each, see below); warp groups 1 and 2 each own 64 rows of the
-K/V block for S, dP, dV and dK, and half of the dQ tile. S and
-dP are computed transposed so that P^T and dS^T stay in registers as the A operand of the dV
+warp 1 reduces each dQ tile into global memory (cp.reduce.async.bulk add; or warps 1 and 2 a
+half each, see below); warp groups 1 and 2 each own 64 rows of the K/V block for S, dP, dV and
+dK, and half of the dQ tile. S and dP are computed transposed so that P^T and dS^T stay in registers as the A operand of the dV
 and dK products; only dS goes through shared memory (for dQ). dK and dV stay in registers
 until the CTA is done; then they are staged in the idle Q/dO/K/V tiles and written (or added,
 into fp32 buffers) by two TMA bulk copies, whole 128-byte lines instead of scattered per-thread
@@ -28,7 +27,10 @@ their products. Staggered (the default), group 0 multiplies a
 step's dS into dQ one step late, behind its next dS, and group 1 at once: each then waits only
 for a dS the other stored a while ago (a named barrier per group and dS buffer), so the groups
 drift apart and one's exp2s run under the other's products (on an H100 4% faster over 15
-shapes, geometric mean, up to 8%; bench/RESULTS.md).
+shapes, geometric mean, up to 8%; bench/RESULTS.md). Group 0's late half then holds up group
+1's in a shared dQ warp; with a dQ warp per half (dq_warp_per_part: warps 1 and 2) neither waits
+for the other. That is 1.03-1.07x at head_dim 128 without causal mask, but 0.97-0.99x causal and
+0.91-1.00x at head_dim 64, where one warp stays the default (bench/RESULTS.md).
 
 dQ is accumulated in "fragment order": each warp group's half of a dQ tile is one contiguous
 block of (tile_m * head_dim / 2) floats in the order its threads hold them, four registers of
@@ -47,10 +49,10 @@ tile together and block n waits n steps before it starts; where the host knows t
 on the GPU at once (``rotate``), block n instead walks the query blocks from n * M / N on,
 wrapping around, and each tile's order is the order the blocks reach it in: in lockstep no
 CTA waits. With documents, rows that are one document walk rotated (the same bits as without).
-Staggered (above), each warp group's half of a dQ tile has a counter of its own and a dQ warp
-of its own (warps 1 and 2) that reduces it: group 0's half arrives a step late, and its order
-then runs a step behind group 1's instead of holding both up (on an H100 1.04x at head_dim 64,
-1.09x at 128, bench/RESULTS.md).
+With a dQ warp per part (above; always in deterministic mode), each warp group's half of a dQ
+tile has a counter of its own: staggered, group 0's half arrives a step late, and its order then
+runs a step behind group 1's instead of holding both up (on an H100 1.04x at head_dim 64, 1.09x
+at 128, bench/RESULTS.md).
 
 Packed documents (has_docs, one variant for every boundary set): a CTA walks only the query
 tiles its keys' documents reach (from the host, with per query tile the run of K/V blocks that
@@ -132,7 +134,7 @@ class AttentionBackwardSm90:
 
     def __init__(self, dtype, head_dim: int, tile_m: int, causal: bool, deterministic: bool,
                  dkv_dtype, has_docs: bool = False, doc_order: bool = False, staggered: bool = False,
-                 whole_keys: bool = False):
+                 dq_warp_per_part: bool = False, whole_keys: bool = False):
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise ValueError(f"dtype must be Float16 or BFloat16, got {dtype}")
         if head_dim not in (64, 128):
@@ -166,12 +168,12 @@ class AttentionBackwardSm90:
         # pipeline stage.
         self.staggered = staggered
         self.ds_stages = DS_BUFFERS if staggered else self.stages
-        # Deterministic and staggered, group 0's dQ part of a step is ready a step after group
-        # 1's: each part (disjoint memory) then takes its turns on its own counter, reduced by a
-        # dQ warp of its own, so that neither waits for the other's landing and no CTA for
-        # another's late part. Else one dQ warp reduces both parts.
-        self.dq_turns = turn_counters(staggered) if deterministic else 1
-        self.dq_warp_parts = (tuple((wg,) for wg in range(NUM_MMA_WG)) if self.dq_turns > 1
+        # Staggered, group 0's dQ part of a step is ready a step after group 1's. With a dQ warp
+        # per part, deterministic, each part (disjoint memory) takes its turns on its own
+        # counter, so that neither waits for the other's landing and no CTA for another's late
+        # part.
+        self.dq_turns = turn_counters(dq_warp_per_part) if deterministic else 1
+        self.dq_warp_parts = (tuple((wg,) for wg in range(NUM_MMA_WG)) if dq_warp_per_part
                               else (tuple(range(NUM_MMA_WG)),))
         # A stage of the lse / delta rows starts on 128 bytes, where TMA writes shared memory.
         self.stats_stride = -(-tile_m // 32) * 32

@@ -22,8 +22,7 @@ def parts_split_rows(tile_m: int) -> bool:
     return tile_m == PART * NUM_MMA_WG
 
 
-def turn_counters(staggered: bool) -> int:
+def turn_counters(dq_warp_per_part: bool) -> int:
     """Deterministic mode's turn counters per dQ tile (bwd_sm90.py orders the tile's reductions
-    with them): one per part with staggered warp groups, whose parts of a step arrive a step
-    apart, else one for the tile."""
-    return NUM_MMA_WG if staggered else 1
+    with them): one per part where each part has a dQ warp of its own, else one for the tile."""
+    return NUM_MMA_WG if dq_warp_per_part else 1

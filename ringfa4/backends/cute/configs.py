@@ -75,6 +75,9 @@ class BwdSm90Config:
     # The MMA warp groups a dQ product apart instead of meeting at every step (the kernel's
     # docstring): each waits only for a dS the other stored a while ago.
     staggered: bool = False
+    # Each warp group's half of a dQ tile reduced by a dQ warp of its own (warps 1 and 2) instead
+    # of one warp for both; deterministic and staggered, each half also has its own turn counter.
+    dq_warp_per_part: bool = False
     # seqlen_k is a whole number of K/V blocks (the host checks): no key mask unless causal.
     whole_keys: bool = False
 
@@ -85,7 +88,7 @@ class BwdSm90Config:
                 f"_{'det' if self.deterministic else 'atomic'}"
                 f"_{'dkvadd32' if self.dkv_fp32 else 'dkvstore'}" + ("_docs" if self.has_docs else "")
                 + ("_docorder" if self.doc_order else "") + ("_wholekeys" if self.whole_keys else "")
-                + ("_stagger" if self.staggered else ""))
+                + ("_stagger" if self.staggered else "") + ("_dqwarp2" if self.dq_warp_per_part else ""))
 
 
 @dataclass(frozen=True)
@@ -189,13 +192,16 @@ def bwd_defaults(dtype: str, head_dim: int, causal: bool, deterministic: bool, d
     deterministic), document by document, longest walk first (bench/RESULTS.md, "The
     backward's launch order with documents"); staggered warp groups, deterministic too, each
     group's dQ part then ordered on its own (bench/RESULTS.md, "Staggered warp groups in the
-    backward", "... in the deterministic backward"). Keys that fill whole K/V blocks
-    (``whole_key_blocks``) take the variant without key mask at head dim 128 in the default mode,
-    not causal (1.003-1.021x; none at head dim 64: bench/RESULTS.md, "The non-causal backward
-    without mask code")."""
+    backward", "... in the deterministic backward"). A dQ warp per part where measured faster:
+    deterministic (a turn counter per part), and head dim 128 not causal (1.03-1.07x; 0.91-0.99x
+    elsewhere: bench/RESULTS.md, "A dQ warp per warp group's part"). Keys that fill whole K/V
+    blocks (``whole_key_blocks``) take the variant without key mask at head dim 128 in the default
+    mode, not causal (1.003-1.021x; none at head dim 64: bench/RESULTS.md, "The non-causal
+    backward without mask code")."""
     return BwdSm90Config(dtype, head_dim, query_tile(head_dim), causal, deterministic, dkv_fp32, has_docs,
                          doc_order=has_docs and not deterministic,
                          staggered=True,
+                         dq_warp_per_part=deterministic or (head_dim == 128 and not causal),
                          whole_keys=whole_key_blocks and head_dim == 128
                          and not (causal or deterministic or has_docs))
 

@@ -504,7 +504,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         config = replace(config, doc_order=doc_order)
     sems = (None, None)
     if deterministic:  # turn counters ordering the dQ tiles' and the dK/dV blocks' reductions
-        n_q = padded_rows(sq, tile_m) // tile_m * dq_turn_counters(config.staggered)  # per query head
+        n_q = padded_rows(sq, tile_m) // tile_m * dq_turn_counters(config.dq_warp_per_part)  # per query head
         n_n = -(-sk // key_tile())
         counters = torch.zeros(b * (h * n_q + hk * n_n), dtype=torch.int32, device=q.device)
         sems = (counters[:b * h * n_q].view(b, h, n_q), counters[b * h * n_q:].view(b, hk, n_n))
