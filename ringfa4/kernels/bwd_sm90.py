@@ -11,26 +11,26 @@ fp32 reduce-adds, in a fixed order when deterministic), recomputing P from the l
 
 (dS carries the softmax scale, so dQ and dK need no multiply of their own.)
 
-Warp roles (384 threads): warp 0 loads Q, dO, lse, delta through a two-stage TMA pipeline;
-warp 1 reduces each dQ tile into global memory (cp.reduce.async.bulk add; or warps 1 and 2 a
-half each, see below); warp groups 1 and 2 each own 64 rows of the K/V block for S, dP, dV and
-dK, and half of the dQ tile. S and dP are computed transposed so that P^T and dS^T stay in registers as the A operand of the dV
-and dK products; only dS goes through shared memory (for dQ). dK and dV stay in registers
-until the CTA is done; then they are staged in the idle Q/dO/K/V tiles and written (or added,
-into fp32 buffers) by two TMA bulk copies, whole 128-byte lines instead of scattered per-thread
-stores. Only the head_splits CTAs of one (K/V block, kv head) touch them. delta and the lse in
-log2 units come from bwd_preprocess.py.
+Warp roles (384 threads): warp 0 loads Q, dO, lse, delta through a two-stage TMA pipeline; warp 1
+reduces each dQ tile into global memory (cp.reduce.async.bulk add; or warps 1 and 2 a half each,
+see below); warp groups 1 and 2 each own 64 rows of the K/V block for S, dP, dV and dK, and half
+of the dQ tile. S and dP are computed transposed so that P^T and dS^T stay in registers as the A
+operand of the dV and dK products; only dS goes through shared memory (for dQ). dK and dV stay in
+registers until the CTA is done; then they are staged in the idle Q/dO/K/V tiles and written (or
+added, into fp32 buffers) by two TMA bulk copies, whole 128-byte lines instead of scattered
+per-thread stores. Only the head_splits CTAs of one (K/V block, kv head) touch them. delta and
+the lse in log2 units come from bwd_preprocess.py.
 
-Each group's half of dQ = dS K needs both groups' dS. Met at a barrier every step, the two
-groups run in phase: both wait on the exp2s and dS while the tensor cores idle, then both queue
-their products. Staggered (the default), group 0 multiplies a
-step's dS into dQ one step late, behind its next dS, and group 1 at once: each then waits only
-for a dS the other stored a while ago (a named barrier per group and dS buffer), so the groups
-drift apart and one's exp2s run under the other's products (on an H100 4% faster over 15
-shapes, geometric mean, up to 8%; bench/RESULTS.md). Group 0's late half then holds up group
-1's in a shared dQ warp; with a dQ warp per half (dq_warp_per_part: warps 1 and 2) neither waits
-for the other. That is 1.03-1.07x at head_dim 128 without causal mask, but 0.97-0.99x causal and
-0.91-1.00x at head_dim 64, where one warp stays the default (bench/RESULTS.md).
+Each group's half of dQ = dS K needs both groups' dS. Met at a barrier every step, the two groups
+run in phase: both wait on the exp2s and dS while the tensor cores idle, then both queue their
+products. Staggered (the default), group 0 multiplies a step's dS into dQ one step late, behind
+its next dS, and group 1 at once: each then waits only for a dS the other stored a while ago (a
+named barrier per group and dS buffer), so the groups drift apart and one's exp2s run under the
+other's products (on an H100 4% faster over 15 shapes, geometric mean, up to 8%;
+bench/RESULTS.md). Group 0's late half then holds up group 1's in a shared dQ warp; with a dQ
+warp per half (dq_warp_per_part: warps 1 and 2) neither waits for the other. That is 1.03-1.07x
+at head_dim 128 without causal mask, but 0.97-0.99x causal and 0.91-1.00x at head_dim 64, where
+one warp stays the default (bench/RESULTS.md).
 
 dQ is accumulated in "fragment order": each warp group's half of a dQ tile is one contiguous
 block of (tile_m * head_dim / 2) floats in the order its threads hold them, four registers of

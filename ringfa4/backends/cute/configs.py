@@ -76,7 +76,7 @@ class BwdSm90Config:
     # docstring): each waits only for a dS the other stored a while ago.
     staggered: bool = False
     # Each warp group's half of a dQ tile reduced by a dQ warp of its own (warps 1 and 2) instead
-    # of one warp for both; deterministic and staggered, each half also has its own turn counter.
+    # of one warp for both; deterministic, each half then also has its own turn counter.
     dq_warp_per_part: bool = False
     # seqlen_k is a whole number of K/V blocks (the host checks): no key mask unless causal.
     whole_keys: bool = False
@@ -194,7 +194,7 @@ def bwd_defaults(dtype: str, head_dim: int, causal: bool, deterministic: bool, d
     group's dQ part then ordered on its own (bench/RESULTS.md, "Staggered warp groups in the
     backward", "... in the deterministic backward"). A dQ warp per part where measured faster:
     deterministic (a turn counter per part), and head dim 128 not causal (1.03-1.07x; 0.91-0.99x
-    elsewhere: bench/RESULTS.md, "A dQ warp per warp group's part"). Keys that fill whole K/V
+    elsewhere: bench/RESULTS.md, "A dQ warp per warp group's half"). Keys that fill whole K/V
     blocks (``whole_key_blocks``) take the variant without key mask at head dim 128 in the default
     mode, not causal (1.003-1.021x; none at head dim 64: bench/RESULTS.md, "The non-causal
     backward without mask code")."""
