@@ -49,10 +49,10 @@ tile together and block n waits n steps before it starts; where the host knows t
 on the GPU at once (``rotate``), block n instead walks the query blocks from n * M / N on,
 wrapping around, and each tile's order is the order the blocks reach it in: in lockstep no
 CTA waits. With documents, rows that are one document walk rotated (the same bits as without).
-With a dQ warp per part (above; always in deterministic mode), each warp group's half of a dQ
-tile has a counter of its own: staggered, group 0's half arrives a step late, and its order then
-runs a step behind group 1's instead of holding both up (on an H100 1.04x at head_dim 64, 1.09x
-at 128, bench/RESULTS.md).
+With a dQ warp per part (above; bwd_defaults' choice in deterministic mode), each warp group's
+half of a dQ tile has a counter of its own: staggered, group 0's half arrives a step late, and
+its order then runs a step behind group 1's instead of holding both up (on an H100 1.04x at
+head_dim 64, 1.09x at 128, bench/RESULTS.md).
 
 Packed documents (has_docs, one variant for every boundary set): a CTA walks only the query
 tiles its keys' documents reach (from the host, with per query tile the run of K/V blocks that
