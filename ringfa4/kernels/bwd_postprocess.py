@@ -1,6 +1,5 @@
 """Backward postprocess: dQ out of the backward kernel's fragment-order fp32 accumulator
 (dq_layout.py) into (b, s, h, d), written in the output's dtype or added into what it holds.
-With chains, a tile's copies are summed in chain order (the same bits every run).
 
 In that layout the four threads c = 0..3 of one (warp, r) stored, side by side, 64 bytes that hold
 accumulator rows r and r + 8 over columns 8 j .. 8 j + 7 of their part. A thread here reads such a
@@ -20,7 +19,7 @@ _RUNS_PER_THREAD = 2
 
 
 class DqPostprocess:
-    def __init__(self, dtype, head_dim: int, tile_m: int, add: bool, chains: int = 1):
+    def __init__(self, dtype, head_dim: int, tile_m: int, add: bool):
         if head_dim not in QUERY_TILE or tile_m != QUERY_TILE[head_dim]:
             raise ValueError(f"tile_m must be the backward's query tile at head_dim {head_dim} "
                              f"(dq_layout.QUERY_TILE: {QUERY_TILE}), got {tile_m}")
@@ -28,7 +27,6 @@ class DqPostprocess:
         self.head_dim = head_dim
         self.tile_m = tile_m
         self.add = add
-        self.chains = chains
         self.split_rows = parts_split_rows(tile_m)
         # Register groups j of a part: its accumulator's columns / 8.
         self.groups = PART // _COLS
@@ -36,7 +34,7 @@ class DqPostprocess:
 
     @cute.jit
     def __call__(self, mAcc: cute.Tensor, mdQ: cute.Tensor, stream):
-        """acc (b, h, tiles * chains * tile_m * head_dim) fp32; dq (b, s, h, head_dim)."""
+        """acc (b, h, tiles * tile_m * head_dim) fp32; dq (b, s, h, head_dim)."""
         grid = (cute.ceil_div(mdQ.shape[1], self.tile_m), mdQ.shape[2], mdQ.shape[0])
         self.kernel(mAcc, mdQ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream)
 
@@ -51,15 +49,10 @@ class DqPostprocess:
             run = tidx + k * self.threads
             j, r = run % self.groups, run // self.groups % 8
             warp, wg = run // (self.groups * 8) % 4, run // (self.groups * 8 * 4)
-            first = ((m_block * self.chains * NUM_MMA_WG + wg) * part_size
+            first = ((m_block * NUM_MMA_WG + wg) * part_size
                      + (j * WG_THREADS + 32 * warp + 4 * r) * REGS_PER_STORE)
             regs = cute.make_rmem_tensor((_RUN,), Float32)
             cute.autovec_copy(cute.local_tile(acc, (_RUN,), (first // _RUN,)), regs)
-            for c in cutlass.range_constexpr(1, self.chains):
-                chain = cute.make_rmem_tensor((_RUN,), Float32)
-                copy = first + c * NUM_MMA_WG * part_size
-                cute.autovec_copy(cute.local_tile(acc, (_RUN,), (copy // _RUN,)), chain)
-                regs.store(regs.load() + chain.load())
             row = m_block * self.tile_m + 16 * warp + r
             col = _COLS * j
             if const_expr(self.split_rows):

@@ -53,10 +53,6 @@ With a dQ warp per part (above; bwd_defaults' choice in deterministic mode), eac
 half of a dQ tile has a counter of its own: staggered, group 0's half arrives a step late, and
 its order then runs a step behind group 1's instead of holding both up (on an H100 1.04x at
 head_dim 64, 1.09x at 128, bench/RESULTS.md).
-With dq_chains = C > 1, a tile's order is dealt into C chains, the K/V block at place t of it
-adding into copy t % C of the tile (dq_layout.py) after the block at place t - C: consecutive
-blocks reach a tile about a step apart, so a block's reduction then has C steps to land before
-the next of its chain needs it, instead of one. The postprocess sums the copies in a fixed order.
 
 Packed documents (has_docs, one variant for every boundary set): a CTA walks only the query
 tiles its keys' documents reach (from the host, with per query tile the run of K/V blocks that
@@ -138,7 +134,7 @@ class AttentionBackwardSm90:
 
     def __init__(self, dtype, head_dim: int, tile_m: int, causal: bool, deterministic: bool,
                  dkv_dtype, has_docs: bool = False, doc_order: bool = False, staggered: bool = False,
-                 dq_warp_per_part: bool = False, whole_keys: bool = False, dq_chains: int = 1):
+                 dq_warp_per_part: bool = False, whole_keys: bool = False):
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise ValueError(f"dtype must be Float16 or BFloat16, got {dtype}")
         if head_dim not in (64, 128):
@@ -151,8 +147,6 @@ class AttentionBackwardSm90:
             raise ValueError("doc_order needs has_docs and not deterministic (whose waits rely on the grid's order)")
         if whole_keys and has_docs:
             raise ValueError("whole_keys is for calls without documents, whose masks come from the documents")
-        if dq_chains < 1 or (dq_chains > 1 and not deterministic):
-            raise ValueError(f"dq_chains must be 1, or more in deterministic mode, got {dq_chains}")
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -178,8 +172,7 @@ class AttentionBackwardSm90:
         # per part, deterministic, each part (disjoint memory) takes its turns on its own
         # counter, so that neither waits for the other's landing and no CTA for another's late
         # part.
-        self.dq_chains = dq_chains
-        self.copy_turns = turn_counters(dq_warp_per_part, 1) if deterministic else 1  # per tile copy
+        self.dq_turns = turn_counters(dq_warp_per_part) if deterministic else 1
         self.dq_warp_parts = (tuple((wg,) for wg in range(NUM_MMA_WG)) if dq_warp_per_part
                               else (tuple(range(NUM_MMA_WG)),))
         # A stage of the lse / delta rows starts on 128 bytes, where TMA writes shared memory.
@@ -258,10 +251,9 @@ class AttentionBackwardSm90:
                  softmax_scale: Float32, head_splits: Int32, rotate: Int32, lpt: Int32, stream):
         """q, dout (b, sq, h, d); k, v (b, sk, hk, d); lse2, delta (b, h, sq rounded up to
         tile_m) fp32, lse2 in log2 units with +inf on rows that see no key; dq_acc (b, h,
-        sq tiles * dq_chains * tile_m * head_dim) fp32 in fragment order (dq_layout.py; added
-        into); dk, dv (b, sk, hk, d) of dkv_dtype; sem (b, h, sq tiles * dq_layout.turn_counters)
-        and sem_kv (b, hk, kv blocks) int32 zeros when deterministic (the orders of dQ's and
-        dK/dV's reductions), else None. With
+        sq tiles * tile_m * head_dim) fp32 in fragment order (dq_layout.py; added into); dk, dv
+        (b, sk, hk, d) of dkv_dtype; sem (b, h, sq tiles * dq_turns) and sem_kv (b, hk, kv blocks)
+        int32 zeros when deterministic (the orders of dQ's and dK/dV's reductions), else None. With
         has_docs (else None), int32: query_lo, query_hi (b, sk) the queries each key is visible
         to (its document's, from the key on when causal); query_blocks (b, kv blocks, 2) the
         query tiles [first, end) each KV block visits; key_blocks (b, query tiles, 2) the first
@@ -533,18 +525,14 @@ class AttentionBackwardSm90:
                     cute.arch.sync_warp()
                 cute.arch.barrier_arrive(barrier_id=BwdBarrier.DQ_EMPTY + parts[i],
                                          number_of_threads=WG_THREADS + 32)
-            tile_copy = m_block
             if const_expr(self.deterministic):
-                # Wait for the KV blocks of this block's chain that add into this dQ tile (or
-                # part) before it.
+                # Wait for the KV blocks that add into this dQ tile (or part) before this one.
                 turn = self._dq_turn(mKeyBlocks, n_block, num_n_blocks, batch, m_block, rotated, steps)
-                chain = turn % self.dq_chains
-                tile_copy = m_block * self.dq_chains + chain
-                sem_ptr = mSem[None, head, batch].iterator + tile_copy * self.copy_turns
-                if const_expr(self.copy_turns > 1):
+                sem_ptr = mSem[None, head, batch].iterator + m_block * self.dq_turns
+                if const_expr(self.dq_turns > 1):
                     sem_ptr = sem_ptr + parts[0]
-                wait_turn(sem_ptr, turn // self.dq_chains)
-            gdQ = mdQ[None, head, batch].iterator + tile_copy * NUM_MMA_WG * self.dq_part
+                wait_turn(sem_ptr, turn)
+            gdQ = mdQ[None, head, batch].iterator + m_block * NUM_MMA_WG * self.dq_part
             for i in cutlass.range_constexpr(len(parts)):
                 wg = parts[i]
                 cute.arch.barrier(barrier_id=BwdBarrier.DQ_FULL + wg, number_of_threads=WG_THREADS + 32)

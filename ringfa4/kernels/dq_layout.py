@@ -6,9 +6,7 @@ Two MMA warp groups of 128 threads each compute one part of every dQ tile: 64 ro
 [register group j][thread t][REGS_PER_STORE registers], a thread's registers in order, so that
 register 4 j + 2 hh + e of thread 32 warp + 4 r + c holds accumulator row 16 warp + 8 hh + r and
 column 8 j + 2 c + e (PTX ISA, wgmma D fragment). Per (batch, head) the parts follow each
-other by query tile, then chain, then warp group: the deterministic backward adds a dQ tile into
-one copy per ordered chain of its K/V blocks (bwd_sm90.py), which the postprocess sums in their
-order; the default backward has one chain.
+other by query tile, then warp group.
 """
 NUM_MMA_WG = 2
 WG_THREADS = 128
@@ -24,8 +22,7 @@ def parts_split_rows(tile_m: int) -> bool:
     return tile_m == PART * NUM_MMA_WG
 
 
-def turn_counters(dq_warp_per_part: bool, chains: int) -> int:
+def turn_counters(dq_warp_per_part: bool) -> int:
     """Deterministic mode's turn counters per dQ tile (bwd_sm90.py orders the tile's reductions
-    with them): per chain, one per part where each part has a dQ warp of its own, else one for
-    the tile."""
-    return (NUM_MMA_WG if dq_warp_per_part else 1) * chains
+    with them): one per part where each part has a dQ warp of its own, else one for the tile."""
+    return NUM_MMA_WG if dq_warp_per_part else 1

@@ -273,7 +273,7 @@ def test_query_state_sums_calls_over_row_chunks_like_one_backward(deterministic)
     q, k, v, dout = _inputs(b, sq, sk, h, hk, d, torch.bfloat16, seed=13, offset=8)
     out, lse, g64, glow = _references(q, k, v, dout, False, scale)
     _poison_allocator(q, k, v)
-    state = QueryState(dout, q, out, lse, scale, deterministic)
+    state = QueryState(dout, q, out, lse, scale)
     tile_m = state.tile_m
     dk = torch.zeros(k.shape, device="cuda")
     dv = torch.zeros(v.shape, device="cuda")
@@ -292,22 +292,15 @@ def test_query_state_sums_calls_over_row_chunks_like_one_backward(deterministic)
     _assert_close("dv", dv, g64[2], glow[2])
 
 
-def test_query_state_refuses_rows_off_its_tiles_another_scale_and_another_mode():
+def test_query_state_refuses_rows_off_its_tiles_and_another_scale():
     q, k, v, dout = _inputs(1, 300, 300, 2, 2, 128, torch.bfloat16, seed=2)
     out, lse, _, _ = _references(q, k, v, dout, False, 0.1)
-    state = QueryState(dout, q, out, lse, 0.1, deterministic=False)
+    state = QueryState(dout, q, out, lse, 0.1)
     for bad in (slice(10, 300), slice(0, 100), slice(0, 300, 2), slice(64, 64)):
         with pytest.raises(ValueError, match="rows must be"):
             state.rows(bad)
     with pytest.raises(ValueError, match="softmax_scale"):
         cute_backend.backward(dout, q, k, v, out, lse, False, 0.2, state.rows(slice(0, 300)))
-    # at head dim 64 the deterministic backward adds into dQ chains that a default-mode
-    # accumulator lacks (configs.dq_chains)
-    q, k, v, dout = _inputs(1, 300, 300, 2, 2, 64, torch.bfloat16, seed=3)
-    out, lse, _, _ = _references(q, k, v, dout, False, 0.1)
-    state = QueryState(dout, q, out, lse, 0.1, deterministic=False)
-    with pytest.raises(ValueError, match="dq .*QueryState of this mode"):
-        cute_backend.backward(dout, q, k, v, out, lse, False, 0.1, state.rows(slice(0, 300)), deterministic=True)
 
 
 def test_inputs_the_kernels_cannot_take_are_refused_with_the_argument_named():

@@ -60,12 +60,11 @@ def _bwd_args(cfg: BwdSm90Config):
     dt = CUTLASS_DTYPES[cfg.dtype]
     kernel = AttentionBackwardSm90(dt, cfg.head_dim, cfg.tile_m, cfg.causal, cfg.deterministic,
                                    Float32 if cfg.dkv_fp32 else dt, cfg.has_docs, cfg.doc_order, cfg.staggered,
-                                   cfg.dq_warp_per_part, cfg.whole_keys, cfg.dq_chains)
+                                   cfg.dq_warp_per_part, cfg.whole_keys)
     b, sq, sk, h, hk, sq_pad, n_m, dq_len, n_n, n_turns = (cute.sym_int() for _ in range(10))
     d = cfg.head_dim
     dq_acc = _fake(Float32, (b, h, dq_len), align_elems=4)  # fragment order
-    # sem: the dQ tiles' turn counters, per chain one per tile or per warp group's part
-    # (dq_layout.turn_counters)
+    # sem: the dQ tiles' turn counters, one per tile or per warp group's part (dq_layout.turn_counters)
     sem, sem_kv = ((cute.runtime.make_fake_tensor(Int32, (b, heads, n), stride=(cute.sym_int64(), n, 1),
                                                   assumed_align=4) if cfg.deterministic else None)
                    for heads, n in ((h, n_turns), (hk, n_n)))
@@ -94,7 +93,7 @@ def _postprocess_args(cfg: DqPostprocessConfig):
     dt = CUTLASS_DTYPES[cfg.dtype]
     b, s, h, length = (cute.sym_int() for _ in range(4))
     acc = _fake(Float32, (b, h, length), align_elems=4)
-    return DqPostprocess(dt, cfg.head_dim, cfg.tile_m, cfg.add, cfg.dq_chains), (acc, _bshd(dt, b, s, h, cfg.head_dim), _stream())
+    return DqPostprocess(dt, cfg.head_dim, cfg.tile_m, cfg.add), (acc, _bshd(dt, b, s, h, cfg.head_dim), _stream())
 
 
 def _merge_args(cfg: MergeConfig):

@@ -80,9 +80,6 @@ class BwdSm90Config:
     dq_warp_per_part: bool = False
     # seqlen_k is a whole number of K/V blocks (the host checks): no key mask unless causal.
     whole_keys: bool = False
-    # Deterministic: each dQ tile's ordered K/V blocks dealt into this many chains, each adding
-    # into its own copy of the tile (dq_chains: the accumulator's layout, which QueryRows holds).
-    dq_chains: int = 1
 
     @property
     def name(self) -> str:
@@ -91,8 +88,7 @@ class BwdSm90Config:
                 f"_{'det' if self.deterministic else 'atomic'}"
                 f"_{'dkvadd32' if self.dkv_fp32 else 'dkvstore'}" + ("_docs" if self.has_docs else "")
                 + ("_docorder" if self.doc_order else "") + ("_wholekeys" if self.whole_keys else "")
-                + ("_stagger" if self.staggered else "") + ("_dqwarp2" if self.dq_warp_per_part else "")
-                + (f"_chains{self.dq_chains}" if self.dq_chains > 1 else ""))
+                + ("_stagger" if self.staggered else "") + ("_dqwarp2" if self.dq_warp_per_part else ""))
 
 
 @dataclass(frozen=True)
@@ -113,14 +109,13 @@ class DqPostprocessConfig:
 
     dtype: str  # of dq: "bf16" | "fp16" | "fp32"
     head_dim: int
-    tile_m: int  # the backward kernel's, which sets the accumulator's layout with dq_chains
+    tile_m: int  # the backward kernel's, which sets the accumulator's layout
     add: bool  # add into dq (else overwrite it)
-    dq_chains: int = 1  # copies of each tile, summed in order
 
     @property
     def name(self) -> str:
         return (f"bwd_dq_postprocess_{self.dtype}_d{self.head_dim}_m{self.tile_m}"
-                f"_{'add' if self.add else 'store'}" + (f"_chains{self.dq_chains}" if self.dq_chains > 1 else ""))
+                f"_{'add' if self.add else 'store'}")
 
 
 @dataclass(frozen=True)
@@ -191,15 +186,6 @@ def query_tile(head_dim: int) -> int:
     return 128 if head_dim == 64 else 64
 
 
-def dq_chains(deterministic: bool, head_dim: int) -> int:
-    """Chains of each dQ tile's ordered reductions (BwdSm90Config.dq_chains): two when
-    deterministic at head dim 64, so that a K/V block's reduction has two steps to land before
-    the next block of its chain adds (1.025-1.038x at causal 16k-32k, 0.99-1.00x elsewhere; at
-    head dim 128 0.91-0.96x: bench/RESULTS.md, "Two chains per dQ tile"); the default mode's
-    reductions are unordered."""
-    return 2 if deterministic and head_dim == 64 else 1
-
-
 def bwd_defaults(dtype: str, head_dim: int, causal: bool, deterministic: bool, dkv_fp32: bool,
                  has_docs: bool = False, whole_key_blocks: bool = False) -> BwdSm90Config:
     """The backward kernel `backward` uses: with documents and a free launch order (not
@@ -217,8 +203,7 @@ def bwd_defaults(dtype: str, head_dim: int, causal: bool, deterministic: bool, d
                          staggered=True,
                          dq_warp_per_part=deterministic or (head_dim == 128 and not causal),
                          whole_keys=whole_key_blocks and head_dim == 128
-                         and not (causal or deterministic or has_docs),
-                         dq_chains=dq_chains(deterministic, head_dim))
+                         and not (causal or deterministic or has_docs))
 
 
 def fwd_variant(dtype: str, head_dim: int, causal: bool, **overrides) -> FwdSm90Config:
@@ -239,10 +224,9 @@ VARIANTS = (
      for seqlen_k in ((None, 1) if c or d in SHORT_KEYS else (None,))
      for heads_per_kv in ((1, 4) if d == 64 else (1,))]
     + [BwdPreprocessConfig(dt, d) for dt in _DTYPES for d in _HEAD_DIMS]
-    + list(dict.fromkeys(
-        DqPostprocessConfig(dt, d, query_tile(d), add, dq_chains(det, d))
-        for d in _HEAD_DIMS for det in (False, True)
-        for dt, add in (("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True), ("fp32", True))))
+    + [DqPostprocessConfig(dt, d, query_tile(d), add)
+       for d in _HEAD_DIMS
+       for dt, add in (("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True), ("fp32", True))]
     + list(dict.fromkeys(
         bwd_defaults(dt, d, c, det, f32, docs, whole)
         for docs in (False, True) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)

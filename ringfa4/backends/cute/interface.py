@@ -482,7 +482,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
                              f"({dq.softmax_scale})")
         rows = dq
     else:
-        rows = query_rows(dout, out, lse, scale, deterministic)
+        rows = query_rows(dout, out, lse, scale)
     tile_m = rows.tile_m
 
     splits = head_splits(b, sq, sk, h, hk, d, causal, deterministic, _sms(q), doc_ids is not None,
@@ -502,12 +502,9 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
                           dk_out.dtype == torch.float32, doc_ids is not None, sk % key_tile() == 0)
     if doc_order is not None:
         config = replace(config, doc_order=doc_order)
-    if rows.dq_chains != config.dq_chains:
-        raise ValueError(f"dq (a QueryRows with {rows.dq_chains} dQ chains) must come from a QueryState of "
-                         f"this mode (deterministic={bool(deterministic)}: {config.dq_chains})")
     sems = (None, None)
     if deterministic:  # turn counters ordering the dQ tiles' and the dK/dV blocks' reductions
-        n_q = padded_rows(sq, tile_m) // tile_m * dq_turn_counters(config.dq_warp_per_part, config.dq_chains)
+        n_q = padded_rows(sq, tile_m) // tile_m * dq_turn_counters(config.dq_warp_per_part)  # per query head
         n_n = -(-sk // key_tile())
         counters = torch.zeros(b * (h * n_q + hk * n_n), dtype=torch.int32, device=q.device)
         sems = (counters[:b * h * n_q].view(b, h, n_q), counters[b * h * n_q:].view(b, hk, n_n))
@@ -539,5 +536,5 @@ def query_state(dout, q, out, lse, softmax_scale, chunk, deterministic):
     whole tiles, or every step over all rows; either mode runs the same tiles), else DqBuffer."""
     s, d = q.shape[1], q.shape[-1]
     if chunk >= s or chunk % query_tile(d) == 0:
-        return QueryState(dout, q, out, lse, _scale(softmax_scale, d), deterministic)
+        return QueryState(dout, q, out, lse, _scale(softmax_scale, d))
     return DqBuffer(q, lse)

@@ -22,11 +22,11 @@ def key_tile():
     return 64 * NUM_MMA_WG
 
 
-def dq_turn_counters(dq_warp_per_part, dq_chains):
+def dq_turn_counters(dq_warp_per_part):
     """The deterministic backward's turn counters per dQ tile (ringfa4.kernels.dq_layout)."""
     from ringfa4.kernels.dq_layout import turn_counters
 
-    return turn_counters(dq_warp_per_part, dq_chains)
+    return turn_counters(dq_warp_per_part)
 
 
 @functools.cache

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ringfa4.backends.cute.configs import BwdPreprocessConfig, DqPostprocessConfig, dq_chains, query_tile
+from ringfa4.backends.cute.configs import BwdPreprocessConfig, DqPostprocessConfig, query_tile
 from ringfa4.backends.cute.launch import compiled
 from ringfa4.backends.cute.tensors import DTYPE_NAMES, rows_ready, tma_ready
 
@@ -15,9 +15,8 @@ class QueryRows:
     """Whole query tiles of a QueryState, as views at their first tile: what a backward call
     over those rows reads (lse2, delta) and adds its dQ into, with tiles of tile_m rows."""
 
-    tile_m: int  # the backward's query tile, which sets dq_acc's layout with dq_chains
-    dq_chains: int  # copies of each tile in dq_acc: the mode's (configs.dq_chains)
-    dq_acc: torch.Tensor  # (b, h, tiles * dq_chains * tile_m * head_dim) fp32, fragment order
+    tile_m: int  # the backward's query tile, which sets dq_acc's layout
+    dq_acc: torch.Tensor  # (b, h, tiles * tile_m * head_dim) fp32, fragment order
     lse2: torch.Tensor  # (b, h, tiles * tile_m) fp32, lse in log2 units
     delta: torch.Tensor  # (b, h, tiles * tile_m) fp32, softmax_scale * rowsum(dO * O)
     softmax_scale: float  # the one folded into delta
@@ -28,16 +27,16 @@ def padded_rows(s, tile_m):
     return (s + tile_m - 1) // tile_m * tile_m
 
 
-def query_rows(dout, out, lse, softmax_scale, deterministic):
+def query_rows(dout, out, lse, softmax_scale):
     """Preprocessed rows of (dout, out, lse) with a zeroed dQ accumulator for the backward's
-    query tiles (configs.query_tile) in that mode."""
+    query tiles (configs.query_tile)."""
     b, s, h, d = out.shape
-    tile_m, chains = query_tile(d), dq_chains(deterministic, d)
+    tile_m = query_tile(d)
     padded = padded_rows(s, tile_m)
     dev = out.device
     lse2, delta = torch.empty((2, b, h, padded), dtype=torch.float32, device=dev)  # one allocation
-    acc = torch.zeros((b, h, padded * chains * d), dtype=torch.float32, device=dev)
-    rows = QueryRows(tile_m, chains, acc, lse2, delta, float(softmax_scale))
+    rows = QueryRows(tile_m, torch.zeros((b, h, padded * d), dtype=torch.float32, device=dev), lse2, delta,
+                     float(softmax_scale))
     compiled(BwdPreprocessConfig(DTYPE_NAMES[out.dtype], d))(
         tma_ready(out), tma_ready(dout), rows_ready(lse.detach()), rows.lse2, rows.delta,
         rows.softmax_scale)
@@ -46,8 +45,7 @@ def query_rows(dout, out, lse, softmax_scale, deterministic):
 
 def postprocess_dq(rows: QueryRows, dq, add):
     """dq <- (add: +=) the accumulator of rows, in dq's dtype; dq must be TMA-addressable."""
-    compiled(DqPostprocessConfig(DTYPE_NAMES[dq.dtype], dq.shape[-1], rows.tile_m, add, rows.dq_chains))(
-        rows.dq_acc, dq)
+    compiled(DqPostprocessConfig(DTYPE_NAMES[dq.dtype], dq.shape[-1], rows.tile_m, add))(rows.dq_acc, dq)
 
 
 class QueryState:
@@ -55,15 +53,14 @@ class QueryState:
     (the steps of a ring): lse2 and delta from one preprocess pass, and one fragment-order dQ
     accumulator that every call adds into and `dq()` puts back in (b, s, h, d) once. Per call
     that saves a preprocess pass, zeroing an accumulator and a postprocess pass adding it into
-    an fp32 dq; and the fp32 dq itself. The accumulator has the layout of one mode's backward
-    (``deterministic``: configs.dq_chains).
+    an fp32 dq; and the fp32 dq itself.
 
     ``rows(sl)`` is what a call over the query rows ``sl`` takes as its ``dq``: sl must start
     on a query tile (a multiple of tile_m, configs.query_tile) and end on one or at the end."""
 
-    def __init__(self, dout, q, out, lse, softmax_scale, deterministic):
+    def __init__(self, dout, q, out, lse, softmax_scale):
         self.shape, self.dtype = q.shape, q.dtype
-        self._all = query_rows(dout, out, lse, softmax_scale, deterministic)
+        self._all = query_rows(dout, out, lse, softmax_scale)
         self.tile_m = self._all.tile_m
 
     def rows(self, sl: slice) -> QueryRows:
@@ -74,9 +71,8 @@ class QueryState:
                              f"to a multiple of {tile_m} or the end ({s}), got {sl}")
         first, end = start // tile_m, (stop + tile_m - 1) // tile_m
         stats = slice(first * tile_m, end * tile_m)
-        tile_floats = self._all.dq_chains * tile_m * d
-        acc = slice(first * tile_floats, end * tile_floats)
-        return QueryRows(tile_m, self._all.dq_chains, self._all.dq_acc[:, :, acc], self._all.lse2[:, :, stats],
+        acc = slice(first * tile_m * d, end * tile_m * d)
+        return QueryRows(tile_m, self._all.dq_acc[:, :, acc], self._all.lse2[:, :, stats],
                          self._all.delta[:, :, stats], self._all.softmax_scale)
 
     def dq(self) -> torch.Tensor:
