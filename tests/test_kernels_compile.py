@@ -419,7 +419,8 @@ def test_backward_splits_a_kv_heads_query_heads_only_where_kv_blocks_are_few():
     do not; causal sequences from 64k keys at head dim 128 take one query head per CTA, causal
     documents from 32k rows in the longest (32k keys or more in all, 16k in the longest: not); a split
     always divides the group; deterministic mode takes one head per CTA for causal attention from
-    2k keys (hdim 128; 16k with hdim 64) or where the default splits, and none otherwise."""
+    2k keys (hdim 128; 16k with hdim 64) or where the default splits, two at hdim 128 up to 4k keys
+    where the grid is then 16 waves deep, and none otherwise."""
     from ringfa4.backends.cute.interface import head_splits
 
     sms = 132
@@ -435,7 +436,10 @@ def test_backward_splits_a_kv_heads_query_heads_only_where_kv_blocks_are_few():
     assert head_splits(1, 2048, 2048, 16, 16, 128, True, False, sms) == 1
     assert head_splits(1, 640, 200, 6, 1, 64, False, False, sms) == 2      # 6 = 2 shares of 3
     assert head_splits(1, 32768, 32768, 32, 8, 128, True, True, sms) == 4
-    assert head_splits(8, 4096, 4096, 32, 8, 128, True, True, sms) == 4
+    assert head_splits(8, 4096, 4096, 32, 8, 128, True, True, sms) == 2  # 4096 CTAs
+    assert head_splits(16, 2048, 2048, 32, 8, 128, True, True, sms) == 2
+    assert head_splits(4, 4096, 4096, 32, 8, 128, True, True, sms) == 4  # 2048 CTAs at 2 heads each
+    assert head_splits(8, 8192, 8192, 32, 8, 128, True, True, sms) == 4
     assert head_splits(32, 1024, 1024, 32, 8, 128, True, True, sms) == 1
     assert head_splits(4, 8192, 8192, 32, 8, 64, True, True, sms) == 1
     assert head_splits(2, 16384, 16384, 32, 8, 64, True, True, sms) == 4

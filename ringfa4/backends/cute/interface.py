@@ -351,6 +351,12 @@ def forward(q, k, v, causal, softmax_scale, out=None, lse=None, config=None, doc
 # Causal keys, by head_dim, from which deterministic GQA takes one query head per backward CTA
 # (head_splits).
 DETERMINISTIC_SPLIT_KEYS = {64: 16384, 128: 2048}
+# Causal keys up to which deterministic GQA at head dim 128 takes two query heads per CTA
+# instead of one where the grid is then still DETERMINISTIC_PAIR_WAVES waves deep: half the
+# fp32 dK/dV shares, and walks short enough (H200, 32/8: b 16 x 2k 1.06-1.09x, b 8 x 4k
+# 1.03-1.04x; with one sequence of 2k-4k 0.91-0.95x, at 16k-32k 0.96-0.98x; RESULTS 2026-11-28 IV).
+DETERMINISTIC_PAIR_KEYS = 4096
+DETERMINISTIC_PAIR_WAVES = 16
 # Causal keys from which the default backward at head dim 128 takes one query head per CTA, so
 # that the CTAs running at once read one query head's Q, dO and dQ from L2 (head_splits).
 L2_SPLIT_KEYS = 65536
@@ -383,7 +389,8 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
     0.67-0.96x) and falls behind from 16k (0.89x against 0.92x; 0.66x against 0.96x at 32k). So
     from DETERMINISTIC_SPLIT_KEYS[head_dim] causal keys on, and where the default splits, it takes
     one query head per CTA; non-causal (rotated walks) it does not split (0.87-0.93x against
-    0.73-0.89x).
+    0.73-0.89x). At head dim 128 up to DETERMINISTIC_PAIR_KEYS keys, where the grid stays
+    DETERMINISTIC_PAIR_WAVES deep, two query heads per CTA halve the dK/dV shares.
 
     Long causal sequences at head dim 128 (from L2_SPLIT_KEYS keys): a CTA walking its group's
     query heads one after the other sets the CTAs running at once on every head of the group at
@@ -420,7 +427,12 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
 
     splits = halvings(even_share / 2)
     if deterministic:
-        return group if causal and (splits > 1 or seqlen_k >= DETERMINISTIC_SPLIT_KEYS[head_dim]) else 1
+        if not causal or (splits == 1 and seqlen_k < DETERMINISTIC_SPLIT_KEYS[head_dim]):
+            return 1
+        if (head_dim == 128 and group > 2 and group % 2 == 0 and seqlen_k <= DETERMINISTIC_PAIR_KEYS
+                and ctas * 2 >= DETERMINISTIC_PAIR_WAVES * sms):
+            return 2
+        return group
     if has_docs and not causal:
         return group
     long_walks = (longest or 0) >= DOC_L2_SPLIT_KEYS if has_docs else seqlen_k >= L2_SPLIT_KEYS
