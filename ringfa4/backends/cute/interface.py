@@ -354,7 +354,7 @@ DETERMINISTIC_SPLIT_KEYS = {64: 16384, 128: 2048}
 # Causal keys up to which deterministic GQA at head dim 128 takes two query heads per CTA
 # instead of one where the grid is then still DETERMINISTIC_PAIR_WAVES waves deep: half the
 # fp32 dK/dV shares, and walks short enough (H200, 32/8: b 16 x 2k 1.06-1.09x, b 8 x 4k
-# 1.03-1.04x; with one sequence of 2k-4k 0.91-0.95x, at 16k-32k 0.96-0.98x; RESULTS 2026-11-28 IV).
+# 1.03-1.04x; with one sequence of 2k-4k 0.91-0.95x, at 16k-32k 0.95-0.99x; RESULTS 2026-11-28 IV).
 DETERMINISTIC_PAIR_KEYS = 4096
 DETERMINISTIC_PAIR_WAVES = 16
 # Causal keys from which the default backward at head dim 128 takes one query head per CTA, so
