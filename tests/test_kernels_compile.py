@@ -1,7 +1,7 @@
 """The CuTe kernels compile for Hopper on a machine without a GPU, and the cute backend names
 what it cannot run (ringfa4.api raises it; tests/test_bad_input.py).
 
-The 124 shipped attention variants (60 with documents) take ~5 min to compile on 2
+The 108 shipped attention variants (52 with documents) take ~5 min to compile on 2
 cores (the 14 backward pre- and postprocess variants a few seconds), so CI compiles a
 representative subset (SUBSET, ~1.5 min): every forward variant, with and without documents,
 and one backward variant per (head_dim, causal) in bf16 with and without documents, plus the
