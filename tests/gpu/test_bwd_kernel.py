@@ -125,6 +125,25 @@ def test_query_heads_split_over_ctas_when_kv_blocks_are_few(b, s, h, hk, d, caus
             assert torch.equal(a, c), f"{name} differs between two deterministic runs"
 
 
+def test_deterministic_pairs_of_query_heads_per_cta_match_fp64_and_repeat(monkeypatch):
+    """Deterministic causal GQA at head dim 128 with short keys and a deep grid takes two query
+    heads per CTA (head_splits): two fp32 dK/dV shares added in a fixed order. The GPU is told
+    it has 8 SMs so that a small batch makes the grid deep enough (asserted)."""
+    b, s, h, hk, d = 2, 2048, 32, 8, 128
+    monkeypatch.setattr(cute_backend.interface, "_sms", lambda t: 8)
+    assert cute_backend.interface.head_splits(b, s, s, h, hk, d, True, True, 8) == 2
+    scale = d ** -0.5
+    q, k, v, dout = _inputs(b, s, s, h, hk, d, torch.bfloat16, seed=29)
+    out, lse, g64, glow = _references(q, k, v, dout, True, scale)
+    _poison_allocator(q, k, v, q.float())
+    first = cute_backend.backward(dout, q, k, v, out, lse, True, scale, deterministic=True)
+    for name, got, r64, rlow in zip("dq dk dv".split(), first, g64, glow):
+        _assert_close(name, got, r64, rlow)
+    for name, a, c in zip("dq dk dv".split(), first, cute_backend.backward(
+            dout, q, k, v, out, lse, True, scale, deterministic=True)):
+        assert torch.equal(a, c), f"{name} differs between two deterministic runs"
+
+
 @pytest.mark.parametrize("staggered,dq_warp_per_part", [(False, False), (True, False), (True, True)],
                          ids=["lockstep", "staggered", "staggered-dqwarp2"])
 @pytest.mark.parametrize("b,s,h,hk,d,causal,deterministic", [
