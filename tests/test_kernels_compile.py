@@ -438,6 +438,7 @@ def test_backward_splits_a_kv_heads_query_heads_only_where_kv_blocks_are_few():
     assert head_splits(1, 32768, 32768, 32, 8, 128, True, True, sms) == 4
     assert head_splits(8, 4096, 4096, 32, 8, 128, True, True, sms) == 2  # 4096 CTAs
     assert head_splits(16, 2048, 2048, 32, 8, 128, True, True, sms) == 2
+    assert head_splits(2, 2048, 2048, 32, 8, 128, True, True, 8) == 2  # the GPU test's case: 8 SMs
     assert head_splits(4, 4096, 4096, 32, 8, 128, True, True, sms) == 4  # 2048 CTAs at 2 heads each
     assert head_splits(8, 8192, 8192, 32, 8, 128, True, True, sms) == 4
     assert head_splits(32, 1024, 1024, 32, 8, 128, True, True, sms) == 1

@@ -429,7 +429,7 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
     if deterministic:
         if not causal or (splits == 1 and seqlen_k < DETERMINISTIC_SPLIT_KEYS[head_dim]):
             return 1
-        if (head_dim == 128 and group > 2 and group % 2 == 0 and seqlen_k <= DETERMINISTIC_PAIR_KEYS
+        if (head_dim == 128 and group % 2 == 0 and seqlen_k <= DETERMINISTIC_PAIR_KEYS
                 and ctas * 2 >= DETERMINISTIC_PAIR_WAVES * sms):
             return 2
         return group
