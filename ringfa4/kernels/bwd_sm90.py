@@ -481,8 +481,9 @@ class AttentionBackwardSm90:
 
         state = cutlass.pipeline.make_pipeline_state(
             cutlass.pipeline.PipelineUserType.Producer, self.stages)
-        for step in cutlass.range(num_steps, unroll=1):
-            head, m_block = steps.coords(step)
+        g, pos = steps.start()
+        for _ in cutlass.range(num_steps, unroll=1):
+            head, m_block = steps.coords(g, pos)
             gQ = cute.local_tile(tQ[None, None, head, batch], (self.tile_m, d), (None, 0))
             gdO = cute.local_tile(tdO[None, None, head, batch], (self.tile_m, d), (None, 0))
             gLSE = cute.local_tile(tLSE[None, head, batch], (self.tile_m,), (None,))
@@ -506,6 +507,7 @@ class AttentionBackwardSm90:
             cute.copy(tma_delta, gD_t[None, m_block], sD_t[None, state.index],
                       tma_bar_ptr=bar_do)
             state.advance()
+            g, pos = steps.advance(g, pos)
 
     @cute.jit
     def _store_dq(self, mdQ, sdQ, mSem, mKeyBlocks, n_block, num_n_blocks, batch, rotated,
@@ -515,8 +517,9 @@ class AttentionBackwardSm90:
         waits)."""
         lane = cute.arch.lane_idx()
         part_bytes = self.dq_part * Float32.width // 8
-        for step in cutlass.range(num_steps, unroll=1):
-            head, m_block = steps.coords(step)
+        g, pos = steps.start()
+        for _ in cutlass.range(num_steps, unroll=1):
+            head, m_block = steps.coords(g, pos)
             for i in cutlass.range_constexpr(len(parts)):
                 if const_expr(not self.deterministic):
                     if lane == 0:
@@ -542,6 +545,7 @@ class AttentionBackwardSm90:
                     cute.arch.cp_async_bulk_commit_group()
             if const_expr(self.deterministic):
                 pass_turn(sem_ptr)  # landed before the next KV block may add
+            g, pos = steps.advance(g, pos)
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
 
@@ -604,19 +608,22 @@ class AttentionBackwardSm90:
         if const_expr(self.has_docs):
             self._key_ranges(ops, mQueryLo[batch, None], mQueryHi[batch, None], n_block, seqlen_k)
         args = (ops, sLSE, sDelta, pipe_q, pipe_do, mma_sdp, mma_dkv, mma_dq, softmax_scale, scale_log2,
-                seqlen_q, seqlen_k, n_block, steps)
+                seqlen_q, seqlen_k, n_block)
 
         cute.arch.mbarrier_wait(mbar_kv, 0)
         state = cutlass.pipeline.make_pipeline_state(
             cutlass.pipeline.PipelineUserType.Consumer, self.stages)
+        g, pos = steps.start()
         if const_expr(self.staggered):
             if ops.wg == 0:
                 if num_steps > 0:  # (a K/V block no query of its documents sees walks none)
-                    self._step(*args, state, Int32(0), dq_lag=None)
+                    self._step(*args, state, Int32(0), steps.coords(g, pos)[1], dq_lag=None)
                     state.advance()
+                    g, pos = steps.advance(g, pos)
                     for step in cutlass.range(1, num_steps, unroll=1):
-                        self._step(*args, state, step, dq_lag=1)
+                        self._step(*args, state, step, steps.coords(g, pos)[1], dq_lag=1)
                         state.advance()
+                        g, pos = steps.advance(g, pos)
                     acc_dq = cute.make_rmem_tensor(ops.acc_shape_dq, Float32)
                     last = (num_steps - 1) % DS_BUFFERS
                     self._wait_ds(ops, last)
@@ -624,21 +631,23 @@ class AttentionBackwardSm90:
                     self._hand_dq(ops, acc_dq)
             else:
                 for step in cutlass.range(num_steps, unroll=1):
-                    self._step(*args, state, step, dq_lag=0)
+                    self._step(*args, state, step, steps.coords(g, pos)[1], dq_lag=0)
                     state.advance()
+                    g, pos = steps.advance(g, pos)
         else:
             for step in cutlass.range(num_steps, unroll=1):
-                self._step(*args, state, step, dq_lag=0)
+                self._step(*args, state, step, steps.coords(g, pos)[1], dq_lag=0)
                 state.advance()
+                g, pos = steps.advance(g, pos)
         return ops.acc_dK, ops.acc_dV
 
     @cute.jit
     def _step(self, ops, sLSE, sDelta, pipe_q, pipe_do, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma,
               mma_dq: cute.TiledMma, softmax_scale, scale_log2, seqlen_q, seqlen_k, n_block,
-              steps: BwdStepScheduler, state, step, dq_lag: cutlass.Constexpr):
-        """One query tile of the walk, ``state`` its pipeline stage (released here, advanced by
-        the caller); the dQ product of step ``step - dq_lag`` (None: no dQ product)."""
-        _, m_block = steps.coords(step)
+              state, step, m_block, dq_lag: cutlass.Constexpr):
+        """Query tile m_block, the walk's step ``step``, ``state`` its pipeline stage (released
+        here, advanced by the caller); the dQ product of step ``step - dq_lag`` (None: no dQ
+        product)."""
         stage = state.index
 
         pipe_q.consumer_wait(state)

@@ -57,21 +57,33 @@ class FwdTileScheduler:
 
 @dataclass(frozen=True)
 class BwdStepScheduler:
-    """Steps of a backward CTA: step i is query head first_head + i // steps_per_head (the query
-    heads sharing the CTA's kv head) and, of that head's run of query blocks from m_block_min,
-    the (rotation + i) % steps_per_head-th. Frozen: the DSL then reads it inside run-time loops
-    instead of carrying it as loop state."""
+    """Steps of a backward CTA: the query heads sharing the CTA's kv head, from first_head, one
+    after the other, each walking its run of steps_per_head query blocks from m_block_min,
+    starting at the rotation-th and wrapping around. A walk carries its place (head, position in
+    the run) from step to step: computing it from the step number took an integer division per
+    step, on the MMA warps' path. Frozen: the DSL then reads it inside run-time loops instead of
+    carrying it as loop state."""
 
     first_head: Int32
     m_block_min: Int32
     steps_per_head: Int32
     rotation: Int32
 
+    def start(self):
+        """The place of the first step."""
+        return Int32(0), self.rotation
+
     @cute.jit
-    def coords(self, step):
-        """(head, m_block) of step ``step``."""
-        g = step // self.steps_per_head
-        i = step - g * self.steps_per_head + self.rotation
-        if i >= self.steps_per_head:
-            i = i - self.steps_per_head
-        return self.first_head + g, self.m_block_min + i
+    def advance(self, head, pos):
+        """The place after (head, pos): the run's next query block, wrapping around; back at the
+        run's first, the next head."""
+        pos = pos + 1
+        if pos == self.steps_per_head:
+            pos = Int32(0)
+        if pos == self.rotation:
+            head = head + 1
+        return head, pos
+
+    def coords(self, head, pos):
+        """(query head, m_block) of place (head, pos)."""
+        return self.first_head + head, self.m_block_min + pos
