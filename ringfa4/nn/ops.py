@@ -29,18 +29,22 @@ def _lse_dtype(q):
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _contiguous(tensors):
-    """The operators' results are contiguous, as their fake implementations say (compiled code
-    relies on it); a backend may return views (the torch one does), the kernels do not."""
-    return tuple(t.contiguous() for t in tensors)
-
-
-def _apart(last, *tensors):
-    """The KV block a ring ended with, as tensors of their own: a ring that stops after the local
-    step (packed documents no other rank sees) ends with the block it started from, and an
-    operator's outputs may alias neither its inputs nor each other."""
-    held = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
-    return [t.clone() if t.numel() and t.untyped_storage().data_ptr() in held else t for t in last]
+def _own(results, inputs):
+    """An operator's results as its fake implementation gives them and the dispatcher requires:
+    contiguous (compiled code relies on it), each in storage of its own, aliasing neither an input
+    nor another result. A backend may return views (the torch one does), and a ring that stops
+    after the local step (packed documents no other rank sees) ends with the KV block it started
+    from: those are copied."""
+    taken = {t.untyped_storage().data_ptr() for t in inputs if t.numel()}
+    owned = []
+    for t in results:
+        t = t.contiguous()
+        if t.numel():
+            if t.untyped_storage().data_ptr() in taken:
+                t = t.clone()
+            taken.add(t.untyped_storage().data_ptr())
+        owned.append(t)
+    return tuple(owned)
 
 
 def _backend_for(name, q, k, v, causal, doc_ids=None):
@@ -60,7 +64,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: floa
     """(out, lse) of attention on one device; see ringfa4.attention."""
     doc_ids = _local_documents(cu_seqlens, q)
     module = _backend_for(backend, q, k, v, causal, doc_ids)
-    return _contiguous(module.forward(q, k, v, causal, softmax_scale, **call_kwargs(doc_ids)))
+    return _own(module.forward(q, k, v, causal, softmax_scale, **call_kwargs(doc_ids)), (q, k, v))
 
 
 @attention.register_fake
@@ -75,8 +79,8 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
                        cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     doc_ids = _local_documents(cu_seqlens, q)
     module = _backend_for(backend, q, k, v, causal, doc_ids)
-    return _contiguous(module.backward(dout.contiguous(), q, k, v, out, lse, causal, softmax_scale,
-                                       deterministic=deterministic, **call_kwargs(doc_ids)))
+    return _own(module.backward(dout.contiguous(), q, k, v, out, lse, causal, softmax_scale,
+                                deterministic=deterministic, **call_kwargs(doc_ids)), (dout, q, k, v, out, lse))
 
 
 @attention_backward.register_fake
@@ -115,7 +119,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale:
     agree.check(q, k, causal, layout, softmax_scale, deterministic, group, None,
                 documents=None if rows is None else checksum(rows, layout, world))
     out, lse, kv_last = ring_forward(module, q, k, v, causal, softmax_scale, Ring(group, q.device), layout, docs)
-    return _contiguous((out, lse, *_apart(kv_last, k, v)))
+    return _own((out, lse, *kv_last), (q, k, v))
 
 
 @ring_attention.register_fake
@@ -134,8 +138,9 @@ def ring_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     world = ring_layout.group_rank_world(group)[1]
     layout, _, docs = _ring_documents(cu_seqlens, q, layout, group, q.shape[1] * world)
     module = _backend_for(backend, q, k, v, causal, None if docs is None else docs.local)
-    return _contiguous(ring_backward(module, dout.contiguous(), q, k, v, out, lse, [k_last, v_last], causal,
-                                     softmax_scale, Ring(group, q.device, reverse=True), layout, deterministic, docs))
+    return _own(ring_backward(module, dout.contiguous(), q, k, v, out, lse, [k_last, v_last], causal,
+                              softmax_scale, Ring(group, q.device, reverse=True), layout, deterministic, docs),
+                (dout, q, k, v, out, lse, k_last, v_last))
 
 
 @ring_attention_backward.register_fake
@@ -185,8 +190,7 @@ def heads_ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_
     else:
         out_h, lse_h, kv_last = ring_forward(module, qh, kh, vh, causal, softmax_scale, Ring(group, q.device), layout,
                                              docs)
-        kv_last = _apart(kv_last, k, v, kh, vh)
-    return (heads.to_seq(out_h, head_world, 1, exchange), qh, kh, vh, out_h, lse_h, *kv_last)
+    return _own((heads.to_seq(out_h, head_world, 1, exchange), qh, kh, vh, out_h, lse_h, *kv_last), (q, k, v))
 
 
 @heads_ring_attention.register_fake
@@ -220,8 +224,8 @@ def heads_ring_attention_backward(dout: Tensor, qh: Tensor, kh: Tensor, vh: Tens
         grads = ring_backward(module, dout_h, qh, kh, vh, out_h, lse_h, [k_last, v_last], causal, softmax_scale,
                               Ring(group, qh.device, reverse=True), layout, deterministic, docs)
     dq, dk, dv = grads
-    return (heads.to_seq(dq, head_world, 1, exchange), heads.to_seq(dk, head_world, copies, exchange),
-            heads.to_seq(dv, head_world, copies, exchange))
+    return _own((heads.to_seq(dq, head_world, 1, exchange), heads.to_seq(dk, head_world, copies, exchange),
+                 heads.to_seq(dv, head_world, copies, exchange)), (dout, qh, kh, vh, out_h, lse_h, k_last, v_last))
 
 
 @heads_ring_attention_backward.register_fake

@@ -116,6 +116,7 @@ def test_query_heads_split_over_ctas_when_kv_blocks_are_few(b, s, h, hk, d, caus
     out, lse, g64, glow = _references(q, k, v, dout, causal, scale)
     _poison_allocator(q, k, v, q.float())
     first = cute_backend.backward(dout, q, k, v, out, lse, causal, scale, deterministic=deterministic)
+    assert len({t.untyped_storage().data_ptr() for t in first}) == 3, "dq, dk, dv must not share storage"
     for name, got, r64, rlow in zip("dq dk dv".split(), first, g64, glow):
         _assert_close(name, got, r64, rlow)
     init = [torch.randn(t.shape, device="cuda") for t in (k, v)]

@@ -502,7 +502,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     # fp32 dk/dv the kernel can address are added into by the kernel; else it writes new ones,
     # or, with split heads, sums them into zeroed fp32 ones (deterministic: in a fixed order).
     given_fp32 = all(t is not None and t.dtype == torch.float32 and tma_compatible(t) for t in (dk, dv))
-    sums = None  # the split shares' fp32 dK and dV, one allocation: one fill, one cast back
+    sums = None  # the split shares' fp32 dK and dV, one allocation: one fill
     if given_fp32:
         dk_out, dv_out = dk, dv
     elif splits > 1:
@@ -536,7 +536,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         dq = dq_out if add else _added(dq, dq_out)
     if dk_out is not dk:
         if sums is not None and dk is None and dv is None:
-            dk, dv = sums.to(k.dtype).unbind(0)
+            dk, dv = (t.to(k.dtype) for t in sums.unbind(0))  # two tensors: an operator's results may not alias
         else:
             dk, dv = (_added(given, fresh if given is not None else fresh.to(t.dtype))
                       for given, fresh, t in ((dk, dk_out, k), (dv, dv_out, v)))
