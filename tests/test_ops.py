@@ -6,9 +6,10 @@ from ringfa4.nn import ops
 
 
 def test_gradients_a_backend_returns_in_one_allocation_come_out_as_tensors_of_their_own(monkeypatch):
-    """The cute backward casts split heads' dK and dV from one fp32 allocation; an operator's
-    results may not alias each other (torch.library refuses them), so the backward operator hands
-    them on as separate tensors holding the backend's values."""
+    """A backend may return gradients that share storage (the cute backward once cast split
+    heads' dK and dV back from one fp32 allocation as one tensor); an operator's results may not
+    alias each other (torch.library refuses them), so the backward operator hands them on as
+    separate tensors holding the backend's values."""
     real = torch_ref.backward
 
     def one_allocation(*args, **kwargs):
