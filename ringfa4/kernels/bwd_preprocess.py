@@ -1,8 +1,9 @@
 """Backward preprocess: delta = softmax_scale * rowsum(dO * O) in fp32 and the lse in log2 units,
 written as (b, h, s_pad) fp32 rows padded to whole query tiles of the backward kernel (which loads
-them by TMA). delta carries the softmax scale so that the kernel's dS = P * (dP * scale - delta) is
-already scaled: dQ and dK then need no multiply of their own. Rows that see no key (lse = -inf)
-and pad rows get lse +inf, so that P = exp2(S - lse) is exactly 0 there instead of NaN.
+them by TMA), each tile's rows in the order of stats_layout.py. delta carries the softmax scale so
+that the kernel's dS = P * (dP * scale - delta) is already scaled: dQ and dK then need no multiply
+of their own. Rows that see no key (lse = -inf) and pad rows get lse +inf, so that
+P = exp2(S - lse) is exactly 0 there instead of NaN.
 
 Eight threads share one row (head_dim / 8 contiguous elements each, 16-byte loads) and add
 their partial sums with butterfly shuffles.
@@ -14,6 +15,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from ringfa4.kernels.softmax import LOG2_E
+from ringfa4.kernels.stats_layout import stats_position
 
 _THREADS = 128
 _THREADS_PER_ROW = 8
@@ -58,5 +60,6 @@ class BwdPreprocess:
             if row < seqlen:
                 lse = mLSE[batch, head, row]
                 lse2 = Float32.inf if lse == -Float32.inf else lse * LOG2_E
-            mLSE2[batch, head, row] = lse2
-            mDelta[batch, head, row] = delta * softmax_scale
+            at = stats_position(row)
+            mLSE2[batch, head, at] = lse2
+            mDelta[batch, head, at] = delta * softmax_scale

@@ -19,7 +19,8 @@ operand of the dV and dK products; only dS goes through shared memory (for dQ). 
 registers until the CTA is done; then they are staged in the idle Q/dO/K/V tiles and written (or
 added, into fp32 buffers) by two TMA bulk copies, whole 128-byte lines instead of scattered
 per-thread stores. Only the head_splits CTAs of one (K/V block, kv head) touch them. delta and
-the lse in log2 units come from bwd_preprocess.py.
+the lse in log2 units come from bwd_preprocess.py, permuted within groups of 16 rows so that a
+thread loads its rows' values 16 bytes at a time (stats_layout.py).
 
 Each group's half of dQ = dS K needs both groups' dS. Met at a barrier every step, the two groups
 run in phase: both wait on the exp2s and dS while the tensor cores idle, then both queue their
@@ -94,6 +95,7 @@ from ringfa4.kernels.layout import acc_rows_view, carve, rows_major, seq_major, 
 from ringfa4.kernels.mask import AttentionMask
 from ringfa4.kernels.ptx import bulk_reduce_add_f32, convert_to
 from ringfa4.kernels.softmax import LOG2_E
+from ringfa4.kernels.stats_layout import ROW_GROUP, THREAD_ROWS, stats_position, thread_stats
 from ringfa4.kernels.tile_scheduler import BwdStepScheduler
 
 # Staggered warp groups: dS buffers in turn. Group 1's dS of step j is read by group 0's dQ
@@ -748,15 +750,15 @@ class AttentionBackwardSm90:
         cS = cute.make_identity_tensor((self.tile_n, self.tile_m))
         ops.cS = acc_rows_view(thr_sdp.partition_C(cS), transpose=True)
         ops.cS0 = acc_rows_view(mma_sdp.get_slice(0).partition_C(cS), transpose=True)
+        for r in range(cute.size(ops.cS0, mode=[0])):  # stats_layout's contract, on thread 0's rows
+            assert stats_position(ops.cS0[r, 0][1]) == r % THREAD_ROWS + ROW_GROUP * (r // THREAD_ROWS)
         return ops
 
     @cute.jit
     def _row_stats(self, ops, sStat, stage):
-        """This thread's query rows' values of a per-row statistic (lse2) of the stage."""
-        vals = cute.make_rmem_tensor(cute.size(ops.cS, mode=[0]), Float32)
-        for r in cutlass.range_constexpr(cute.size(vals)):
-            vals[r] = sStat[ops.cS[r, 0][1], stage]
-        return vals
+        """This thread's query rows' values of a per-row statistic (lse2, delta) of the stage, in
+        the order of its accumulator rows (stats_layout.py)."""
+        return thread_stats(sStat[None, stage], ops.cS[0, 0][1], cute.size(ops.cS, mode=[0]))
 
     @cute.jit
     def _key_ranges(self, ops, query_lo, query_hi, n_block, seqlen_k):
@@ -800,11 +802,11 @@ class AttentionBackwardSm90:
                 needs_mask = needs_mask or (n_base + self.tile_n - 1 > m_block * self.tile_m)
             if needs_mask:
                 self.attention_mask.apply(s_mn, ops.cS, ops.cS0, m_block, n_block, seqlen_k)
+        if const_expr(not self.early_stats):
+            lse2 = self._row_stats(ops, sLSE, stage)
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            # lse2: the rows' lse already in registers (early_stats), else read here.
-            row_lse2 = lse2[r] if const_expr(self.early_stats) else sLSE[ops.cS[r, 0][1], stage]
             for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - row_lse2, fastmath=True)
+                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2[r], fastmath=True)
         p = cute.make_rmem_tensor(ops.acc_shape_s, self.dtype)
         p.store(acc_s.load().to(self.dtype))
         return p
@@ -818,13 +820,13 @@ class AttentionBackwardSm90:
         the first load of delta; RESULTS, 4af03c1)."""
         s_mn = acc_rows_view(acc_p, transpose=True)
         dp_mn = acc_rows_view(acc_dp, transpose=True)
+        delta = self._row_stats(ops, sDelta, stage)
         for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
-            delta = sDelta[ops.cS[r, 0][1], stage]
             for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
                 if const_expr(self.ds_from_p):
-                    dp_mn[r, c] = dp_mn[r, c] * (s_mn[r, c] * softmax_scale) - s_mn[r, c] * delta
+                    dp_mn[r, c] = dp_mn[r, c] * (s_mn[r, c] * softmax_scale) - s_mn[r, c] * delta[r]
                 else:
-                    dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] * softmax_scale - delta)
+                    dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] * softmax_scale - delta[r])
         ds = cute.make_rmem_tensor(ops.acc_shape_s, self.dtype)
         convert_to(acc_dp, ds)  # once: dS has two readers, its shared-memory store and dK
         return ds
