@@ -192,9 +192,10 @@ class AttentionBackwardSm90:
         # kernel's stall samples), and dS^T is computed with every instruction that reads dP^T
         # also reading P^T (_score_grads), which ptxas schedules better there (3-6% in an A/B).
         # Documents take the second only (the first cost them 4-6%; both kept, one document
-        # gives the dense bits); hdim 64 neither, which measured faster there (RESULTS).
+        # gives the dense bits). hdim 64 takes the first without causal mask (1.02-1.06x; causal
+        # 0.96-0.97x) and not the second (0.92-1.00x; RESULTS).
         self.ds_from_p = head_dim == 128
-        self.early_stats = self.ds_from_p and not has_docs
+        self.early_stats = not has_docs and (head_dim == 128 or not causal)
 
     # ---------------------------------------------------------------- host side (traced once)
     def _layouts(self):
