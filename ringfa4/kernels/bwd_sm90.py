@@ -192,18 +192,17 @@ class AttentionBackwardSm90:
         # kernel's stall samples), and dS^T is computed with every instruction that reads dP^T
         # also reading P^T (_score_grads), which ptxas schedules better there (3-6% in an A/B).
         # Documents take the second only (the first cost them 4-6%; both kept, one document
-        # gives the dense bits). hdim 64 takes the first without causal mask (1.02-1.06x; causal
-        # 0.96-0.97x) and not the second (0.92-1.00x; RESULTS).
+        # gives the dense bits). hdim 64 takes the first without causal mask (1.02-1.06x), and
+        # causal in the steps without mask once those are a copy of their own (split_steps: the
+        # steps in two copies, with the mask and without, _walk_step; 1.01-1.04x, where the one
+        # body with the lse read early measured 0.96-0.97x and the split alone 0.93-0.98x; at
+        # hdim 128 causal the split cost 3-4%, deterministic 3%); not the second (0.92-1.00x;
+        # RESULTS).
         self.ds_from_p = head_dim == 128
-        self.early_stats = not has_docs and (head_dim == 128 or not causal)
+        self.split_steps = head_dim == 64 and causal and not (deterministic or has_docs)
+        self.early_stats = not has_docs and (head_dim == 128 or not causal or self.split_steps)
         # Whether any step can need a mask (_needs_mask).
         self.has_mask = has_docs or causal or not whole_keys
-        # hdim 64 causal: the steps in two copies, with the mask and without (_walk_step), the
-        # lse read early in the copy without: 1.01-1.04x (0.93-0.98x with the lse read late;
-        # hdim 128 causal 0.96-0.97x, deterministic 0.97x; RESULTS).
-        self.split_steps = head_dim == 64 and causal and not (deterministic or has_docs)
-        if self.split_steps:
-            self.early_stats = True
 
     # ---------------------------------------------------------------- host side (traced once)
     def _layouts(self):
@@ -657,7 +656,7 @@ class AttentionBackwardSm90:
         """_step; with split_steps, in two copies, with and without the mask, chosen per step (the
         copy without runs no branch between the S^T product and the exp2s), else in one that
         decides inside."""
-        ops, seqlen_q, seqlen_k, n_block = args[0], args[10], args[11], args[12]
+        ops, *_, seqlen_q, seqlen_k, n_block = args
         if const_expr(self.split_steps):
             if self._needs_mask(ops, m_block, n_block, seqlen_q, seqlen_k):
                 self._step(*args, state, step, m_block, dq_lag=dq_lag, masked=True)
@@ -672,12 +671,13 @@ class AttentionBackwardSm90:
               state, step, m_block, dq_lag: cutlass.Constexpr, masked: cutlass.Constexpr):
         """Query tile m_block, the walk's step ``step``, ``state`` its pipeline stage (released
         here, advanced by the caller); the dQ product of step ``step - dq_lag`` (None: no dQ
-        product); ``masked``: the scores go through the step's mask."""
+        product); ``masked``: whether the scores go through the mask (None: decided in the step)."""
         stage = state.index
 
         pipe_q.consumer_wait(state)
         acc_s = cute.make_rmem_tensor(ops.acc_shape_s, Float32)
         wgmma.gemm(mma_sdp, acc_s, ops.tSrK, ops.tSrQ[None, None, None, stage], zero_init=True, wait=-1)
+        # (split_steps: the masked copy reads the lse late, where it measured faster)
         lse2 = self._row_stats(ops, sLSE, stage) if const_expr(self.early_stats and not masked) else None
         pipe_do.consumer_wait(state)
         acc_dp = cute.make_rmem_tensor(ops.acc_shape_s, Float32)
