@@ -63,6 +63,10 @@ def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_shipped_variants(tmp_path):
         # (dS has two: its shared-memory store and the dK product).
         pairs = re.findall(r"cvt\.rn\.b?f16x2\.f32\s+%r\d+,\s*(%r\d+),\s*(%r\d+);", ptx)
         assert pairs and len(pairs) == len(set(pairs)), f"{variant.name}: a pair is converted twice"
+        if variant.name.startswith("bwd_"):
+            # The only shared-memory loads are the rows' lse and delta, 16 bytes at a time
+            # (ringfa4.kernels.stats_layout).
+            assert set(re.findall(r"\bld\.shared[.\w]*", ptx)) == {"ld.shared.v4.b32"}, variant.name
 
 
 @pytest.mark.parametrize("dtype,add", [("bf16", False), ("fp16", False), ("fp32", True),
@@ -510,3 +514,16 @@ def test_document_ranges_are_derived_once_per_ids_objects():
     again = tuple(t.clone() for t in ids)
     fresh = visible_blocks(again, False, 128)
     assert all(a is not b and torch.equal(a, b) for a, b in zip(fresh, visible_blocks(ids, False, 128)))
+
+
+def test_row_statistics_stay_in_their_16_row_group_with_a_threads_four_rows_side_by_side():
+    """stats_layout: a permutation of each group of 16 rows; the rows an MMA thread of the
+    backward holds there (2c + e, 8 + 2c + e: the wgmma accumulator's columns) land at 4c..4c+3."""
+    from ringfa4.kernels.stats_layout import ROW_GROUP, stats_position
+
+    rows = range(4 * ROW_GROUP)
+    assert sorted(stats_position(r) for r in rows) == list(rows)
+    assert all(stats_position(r) // ROW_GROUP == r // ROW_GROUP for r in rows)
+    for c in range(4):
+        held = [h * 8 + 2 * c + e for h in (0, 1) for e in (0, 1)]
+        assert [stats_position(ROW_GROUP + r) for r in held] == [ROW_GROUP + 4 * c + i for i in range(4)]
