@@ -62,6 +62,11 @@ writes dK = dV = 0. A tile whose queries every key of the K/V block sees (one do
 and, causal, below the diagonal) runs unmasked; the others are masked by each key's visible
 query range, read once per CTA.
 
+Which steps mask: a step decides at run time, between the S^T product and its exp2s, whether its
+tile needs the mask; at hdim 64 causal (default mode) the step is instead compiled twice, with the
+mask and without, and the walk picks the copy per step (split_steps), so that the steps off the
+diagonal, all but the first of each query head's walk, run no mask code and read the lse early.
+
 Launch order (not deterministic): the kernel lasts until its last long walk ends, and the grid's
 order (a batch row's KV blocks fastest, then its kv heads) reaches the longest causal walks of its
 last kv heads (block 0) at its end. With many CTAs that tail is short against the whole, and the
