@@ -847,6 +847,8 @@ class AttentionBackwardSm90:
 
     @cute.jit
     def _mask(self, ops, s_mn, m_block, n_block, seqlen_k):
+        """-inf where a query does not see a key: outside the key's document range (has_docs), else
+        past seqlen_k or (causal) after the query."""
         if const_expr(self.has_docs):
             self.attention_mask.apply_key_ranges(s_mn, ops.cS, ops.cS0, m_block, ops.query_lo, ops.query_hi)
         else:
