@@ -682,7 +682,8 @@ class AttentionBackwardSm90:
         pipe_q.consumer_wait(state)
         acc_s = cute.make_rmem_tensor(ops.acc_shape_s, Float32)
         wgmma.gemm(mma_sdp, acc_s, ops.tSrK, ops.tSrQ[None, None, None, stage], zero_init=True, wait=-1)
-        # (split_steps: the masked copy reads the lse late, where it measured faster)
+        # (split_steps: the masked copy reads the lse late, as the one body did where an early read
+        # measured slower; early in both copies was not timed)
         lse2 = self._row_stats(ops, sLSE, stage) if const_expr(self.early_stats and not masked) else None
         pipe_do.consumer_wait(state)
         acc_dp = cute.make_rmem_tensor(ops.acc_shape_s, Float32)
