@@ -13,3 +13,4 @@ class BwdBarrier(enum.IntEnum):
     DQ_EMPTY = 4  # + warp group: its dQ buffer may be overwritten (dQ warp -> MMA warp group)
     EPILOGUE = 6  # MMA warp groups: the tiles are free for / hold the staged dK, dV
     DS_READY = 7  # + 3 * warp group + dS buffer, staggered: that group's dS is in the buffer
+    DQ_MEET = 13  # the two dQ warps, every step: group 1's part waits for group 0's (dq_warps_meet)

@@ -141,7 +141,7 @@ class AttentionBackwardSm90:
 
     def __init__(self, dtype, head_dim: int, tile_m: int, causal: bool, deterministic: bool,
                  dkv_dtype, has_docs: bool = False, doc_order: bool = False, staggered: bool = False,
-                 dq_warp_per_part: bool = False, whole_keys: bool = False):
+                 dq_warp_per_part: bool = False, whole_keys: bool = False, dq_warps_meet: bool = False):
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise ValueError(f"dtype must be Float16 or BFloat16, got {dtype}")
         if head_dim not in (64, 128):
@@ -182,6 +182,9 @@ class AttentionBackwardSm90:
         self.dq_turns = turn_counters(dq_warp_per_part) if deterministic else 1
         self.dq_warp_parts = (tuple((wg,) for wg in range(NUM_MMA_WG)) if dq_warp_per_part
                               else (tuple(range(NUM_MMA_WG)),))
+        if dq_warps_meet and not dq_warp_per_part:
+            raise ValueError("dq_warps_meet needs dq_warp_per_part")
+        self.dq_warps_meet = dq_warps_meet
         # A stage of the lse / delta rows starts on 128 bytes, where TMA writes shared memory.
         self.stats_stride = -(-tile_m // 32) * 32
         # dQ = dS K is split over the two MMA warp groups along rows when tile_m = 128, else
@@ -543,6 +546,8 @@ class AttentionBackwardSm90:
                     cute.arch.sync_warp()
                 cute.arch.barrier_arrive(barrier_id=BwdBarrier.DQ_EMPTY + parts[i],
                                          number_of_threads=WG_THREADS + 32)
+            if const_expr(self.dq_warps_meet and parts[0] == 1):
+                cute.arch.barrier(barrier_id=BwdBarrier.DQ_MEET, number_of_threads=64)
             if const_expr(self.deterministic):
                 # Wait for the KV blocks that add into this dQ tile (or part) before this one.
                 turn = self._dq_turn(mKeyBlocks, n_block, num_n_blocks, batch, m_block, rotated, steps)
@@ -554,6 +559,8 @@ class AttentionBackwardSm90:
             for i in cutlass.range_constexpr(len(parts)):
                 wg = parts[i]
                 cute.arch.barrier(barrier_id=BwdBarrier.DQ_FULL + wg, number_of_threads=WG_THREADS + 32)
+                if const_expr(self.dq_warps_meet and wg == 0):
+                    cute.arch.barrier(barrier_id=BwdBarrier.DQ_MEET, number_of_threads=64)
                 if lane == 0:
                     bulk_reduce_add_f32(gdQ + wg * self.dq_part, sdQ[None, wg].iterator,
                                          part_bytes)
