@@ -132,20 +132,22 @@ def test_query_heads_split_over_ctas_when_kv_blocks_are_few(b, s, h, hk, d, caus
             assert torch.equal(a, c), f"{name} differs between two deterministic runs"
 
 
-@pytest.mark.parametrize("staggered,dq_warp_per_part", [(False, False), (True, False), (True, True)],
-                         ids=["lockstep", "staggered", "staggered-dqwarp2"])
+@pytest.mark.parametrize("staggered,dq_warp_per_part,dq_warps_meet",
+                         [(False, False, False), (True, False, False), (True, True, False), (True, True, True)],
+                         ids=["lockstep", "staggered", "staggered-dqwarp2", "staggered-dqwarp2-meet"])
 @pytest.mark.parametrize("b,s,h,hk,d,causal,deterministic", [
     (2, 1000, 4, 2, 128, True, False), (1, 777, 4, 4, 64, True, False), (2, 555, 4, 4, 64, False, False),
     (1, 1500, 8, 2, 64, True, True), (1, 2048, 32, 8, 128, True, False), (1, 1000, 8, 2, 128, False, True)])
-def test_warp_groups_in_lockstep_or_staggered_match_fp64(monkeypatch, staggered, dq_warp_per_part, b, s, h,
-                                                          hk, d, causal, deterministic):
+def test_warp_groups_in_lockstep_or_staggered_match_fp64(monkeypatch, staggered, dq_warp_per_part, dq_warps_meet,
+                                                          b, s, h, hk, d, causal, deterministic):
     """The MMA warp groups meeting at every step or a dQ product apart, their dQ parts reduced by
-    one dQ warp or one each (BwdSm90Config.staggered, .dq_warp_per_part forced), short and ragged
+    one dQ warp or one each, meeting every step or not (BwdSm90Config.staggered, .dq_warp_per_part,
+    .dq_warps_meet forced), short and ragged
     walks, GQA, split heads, deterministic bits run to run."""
     defaults = cute_backend.interface.bwd_defaults
     monkeypatch.setattr(cute_backend.interface, "bwd_defaults",
                         lambda *args: replace(defaults(*args), staggered=staggered,
-                                              dq_warp_per_part=dq_warp_per_part))
+                                              dq_warp_per_part=dq_warp_per_part, dq_warps_meet=dq_warps_meet))
     q, k, v, dout = _inputs(b, s, s, h, hk, d, torch.bfloat16, seed=s + d)
     out, lse, g64, glow = _references(q, k, v, dout, causal, d ** -0.5)
     _poison_allocator(q, k, v, q.float())
