@@ -141,7 +141,7 @@ class AttentionBackwardSm90:
 
     def __init__(self, dtype, head_dim: int, tile_m: int, causal: bool, deterministic: bool,
                  dkv_dtype, has_docs: bool = False, doc_order: bool = False, staggered: bool = False,
-                 dq_warp_per_part: bool = False, whole_keys: bool = False, dq_warps_meet: bool = False, meet_late: bool = False):
+                 dq_warp_per_part: bool = False, whole_keys: bool = False, dq_warps_meet: bool = False):
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise ValueError(f"dtype must be Float16 or BFloat16, got {dtype}")
         if head_dim not in (64, 128):
@@ -185,7 +185,6 @@ class AttentionBackwardSm90:
         if dq_warps_meet and not dq_warp_per_part:
             raise ValueError("dq_warps_meet needs dq_warp_per_part")
         self.dq_warps_meet = dq_warps_meet
-        self.meet_late = meet_late
         # A stage of the lse / delta rows starts on 128 bytes, where TMA writes shared memory.
         self.stats_stride = -(-tile_m // 32) * 32
         # dQ = dS K is split over the two MMA warp groups along rows when tile_m = 128, else
@@ -547,7 +546,7 @@ class AttentionBackwardSm90:
                     cute.arch.sync_warp()
                 cute.arch.barrier_arrive(barrier_id=BwdBarrier.DQ_EMPTY + parts[i],
                                          number_of_threads=WG_THREADS + 32)
-            if const_expr(self.dq_warps_meet and parts[0] == 1 and not self.meet_late):
+            if const_expr(self.dq_warps_meet and parts[0] == 1):
                 cute.arch.barrier(barrier_id=BwdBarrier.DQ_MEET, number_of_threads=64)
             if const_expr(self.deterministic):
                 # Wait for the KV blocks that add into this dQ tile (or part) before this one.
@@ -559,8 +558,6 @@ class AttentionBackwardSm90:
             gdQ = mdQ[None, head, batch].iterator + m_block * NUM_MMA_WG * self.dq_part
             for i in cutlass.range_constexpr(len(parts)):
                 wg = parts[i]
-                if const_expr(self.dq_warps_meet and wg == 1 and self.meet_late):
-                    cute.arch.barrier(barrier_id=BwdBarrier.DQ_MEET, number_of_threads=64)
                 cute.arch.barrier(barrier_id=BwdBarrier.DQ_FULL + wg, number_of_threads=WG_THREADS + 32)
                 if const_expr(self.dq_warps_meet and wg == 0):
                     cute.arch.barrier(barrier_id=BwdBarrier.DQ_MEET, number_of_threads=64)

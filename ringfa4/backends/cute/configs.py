@@ -81,7 +81,6 @@ class BwdSm90Config:
     # With a dQ warp per part: warp 2 takes group 1's part of a step only after warp 1 took
     # group 0's, as one warp for both would, while each keeps its own turns and landing waits.
     dq_warps_meet: bool = False
-    meet_late: bool = False
     # seqlen_k is a whole number of K/V blocks (the host checks): no key mask unless causal.
     whole_keys: bool = False
 
@@ -93,7 +92,7 @@ class BwdSm90Config:
                 f"_{'dkvadd32' if self.dkv_fp32 else 'dkvstore'}" + ("_docs" if self.has_docs else "")
                 + ("_docorder" if self.doc_order else "") + ("_wholekeys" if self.whole_keys else "")
                 + ("_stagger" if self.staggered else "") + ("_dqwarp2" if self.dq_warp_per_part else "")
-                + ("_meet" if self.dq_warps_meet else "") + ("late" if self.meet_late else ""))
+                + ("_meet" if self.dq_warps_meet else ""))
 
 
 @dataclass(frozen=True)
@@ -207,7 +206,7 @@ def bwd_defaults(dtype: str, head_dim: int, causal: bool, deterministic: bool, d
                          doc_order=has_docs and not deterministic,
                          staggered=True,
                          dq_warp_per_part=deterministic or (head_dim == 128 and not causal),
-                         dq_warps_meet=deterministic and head_dim == 64,
+                         dq_warps_meet=deterministic and head_dim == 64 and causal,
                          whole_keys=whole_key_blocks and head_dim == 128
                          and not (causal or deterministic or has_docs))
 
