@@ -53,7 +53,11 @@ CTA waits. With documents, rows that are one document walk rotated (the same bit
 With a dQ warp per part (above; bwd_defaults' choice in deterministic mode), each warp group's
 half of a dQ tile has a counter of its own: staggered, group 0's half arrives a step late, and
 its order then runs a step behind group 1's instead of holding both up (on an H100 1.04x at
-head_dim 64, 1.09x at 128, bench/RESULTS.md).
+head_dim 64, 1.09x at 128, bench/RESULTS.md). The two warps may also meet every step
+(dq_warps_meet): warp 2 takes group 1's part only once warp 1 has taken group 0's part of the
+same step, which keeps group 1 from running ahead as one warp for both parts would, while each
+warp waits for its own turns and landings (one warp for both parts, its waits queued, ran
+0.79-0.84x of two). configs.MEET_KEYS says where that is faster.
 
 Packed documents (has_docs, one variant for every boundary set): a CTA walks only the query
 tiles its keys' documents reach (from the host, with per query tile the run of K/V blocks that

@@ -511,7 +511,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     else:
         dk_out, dv_out = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
     config = bwd_defaults(DTYPE_NAMES[q.dtype], d, bool(causal), bool(deterministic),
-                          dk_out.dtype == torch.float32, doc_ids is not None, sk % key_tile() == 0)
+                          dk_out.dtype == torch.float32, doc_ids is not None, sk % key_tile() == 0, sk)
     if doc_order is not None:
         config = replace(config, doc_order=doc_order)
     sems = (None, None)
