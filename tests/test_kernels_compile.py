@@ -389,6 +389,25 @@ def test_backward_drops_its_key_mask_only_for_keys_in_whole_blocks_at_head_dim_1
         AttentionBackwardSm90(BFloat16, 128, 64, False, False, BFloat16, True, whole_keys=True)
 
 
+def test_deterministic_dq_warps_meet_only_at_long_causal_head_dim_64_calls():
+    """The two dQ warps meet every step in deterministic mode, causal, without documents, at
+    head dim 64 from MEET_KEYS keys on (where it measured faster); the kernel refuses meeting
+    without a dQ warp per part."""
+    from cutlass import BFloat16
+
+    from ringfa4.backends.cute.configs import MEET_KEYS, bwd_defaults
+    from ringfa4.kernels.bwd_sm90 import AttentionBackwardSm90
+
+    long = MEET_KEYS[64]
+    assert bwd_defaults("bf16", 64, True, True, False, seqlen_k=long).dq_warps_meet
+    for d, causal, det, docs, keys in ((64, True, True, False, long - 1), (64, False, True, False, long),
+                                       (64, True, False, False, long), (64, True, True, True, long),
+                                       (128, True, True, False, 4 * long), (64, True, True, False, None)):
+        assert not bwd_defaults("bf16", d, causal, det, False, docs, seqlen_k=keys).dq_warps_meet, (d, causal, keys)
+    with pytest.raises(ValueError, match="dq_warps_meet"):
+        AttentionBackwardSm90(BFloat16, 64, 128, True, True, BFloat16, dq_warp_per_part=False, dq_warps_meet=True)
+
+
 @pytest.mark.parametrize("tile_m", [64, 128, 192])
 def test_queries_that_see_nothing_do_not_widen_their_tiles_key_range(tile_m):
     """visible_keys (host side): each query's [key_lo, key_hi) is its document's keys; a query
