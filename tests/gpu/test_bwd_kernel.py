@@ -141,9 +141,9 @@ def test_query_heads_split_over_ctas_when_kv_blocks_are_few(b, s, h, hk, d, caus
 def test_warp_groups_in_lockstep_or_staggered_match_fp64(monkeypatch, staggered, dq_warp_per_part, dq_warps_meet,
                                                           b, s, h, hk, d, causal, deterministic):
     """The MMA warp groups meeting at every step or a dQ product apart, their dQ parts reduced by
-    one dQ warp or one each, meeting every step or not (BwdSm90Config.staggered, .dq_warp_per_part,
-    .dq_warps_meet forced), short and ragged
-    walks, GQA, split heads, deterministic bits run to run."""
+    one dQ warp or one each, the two meeting every step or not (BwdSm90Config.staggered,
+    .dq_warp_per_part, .dq_warps_meet forced), short and ragged walks, GQA, split heads,
+    deterministic bits run to run."""
     defaults = cute_backend.interface.bwd_defaults
     monkeypatch.setattr(cute_backend.interface, "bwd_defaults",
                         lambda *args: replace(defaults(*args), staggered=staggered,
