@@ -155,8 +155,8 @@ ORDER_KEYS = {64: 8192, 128: 32768}
 # (BwdSm90Config.dq_warps_meet), as one warp for both parts would, and the causal key lengths from
 # which they do; without causal mask they meet where the walks are rotated (interface.rotates).
 # H200 (bench/RESULTS.md, "The deterministic dQ warps meeting every step"): causal at 16k-32k keys
-# 1.05x with 32/8 heads and 1.01x with 16/16, but 0.94-0.99x at 1k-8k; not causal 1.02-1.06x
-# rotated, 0.94-0.96x not; 0.87-0.91x at head dim 128.
+# 1.03-1.05x with 32/8 heads and 1.01-1.02x with 16/16, but 0.94-1.01x at 1k-8k; not causal
+# 1.02-1.06x rotated, 0.94-0.96x not; 0.87-0.91x at head dim 128.
 MEET_KEYS = {64: 16384}
 
 
