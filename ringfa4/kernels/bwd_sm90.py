@@ -57,7 +57,10 @@ head_dim 64, 1.09x at 128, bench/RESULTS.md). The two warps may also meet every 
 (dq_warps_meet): warp 2 takes group 1's part only once warp 1 has taken group 0's part of the
 same step, which keeps group 1 from running ahead as one warp for both parts would, while each
 warp waits for its own turns and landings (one warp for both parts, its waits queued, ran
-0.79-0.84x of two). configs.MEET_KEYS says where that is faster.
+0.79-0.84x of two). configs.MEET_KEYS says where that is faster. Meeting leaves a warp no step
+of slack for its reduction's landing, so there it hands its buffer back once the reduction has
+read it, before the landing and the turn pass (1.01-1.05x at the meeting shapes on an H200;
+where the warps keep apart, and at head_dim 128, that was level or slower: bench/RESULTS.md).
 
 Packed documents (has_docs, one variant for every boundary set): a CTA walks only the query
 tiles its keys' documents reach (from the host, with per query tile the run of K/V blocks that
@@ -540,16 +543,21 @@ class AttentionBackwardSm90:
         lane = cute.arch.lane_idx()
         part_bytes = self.dq_part * Float32.width // 8
         g, pos = steps.start()
-        for _ in cutlass.range(num_steps, unroll=1):
+        for step in cutlass.range(num_steps, unroll=1):
             head, m_block = steps.coords(g, pos)
-            for i in cutlass.range_constexpr(len(parts)):
-                if const_expr(not self.deterministic):
+            if const_expr(not self.deterministic):
+                for i in cutlass.range_constexpr(len(parts)):
                     if lane == 0:
                         # The previous reduction out of this buffer must have read it.
                         cute.arch.cp_async_bulk_wait_group(len(parts) - 1 - i, read=True)
                     cute.arch.sync_warp()
-                cute.arch.barrier_arrive(barrier_id=BwdBarrier.DQ_EMPTY + parts[i],
-                                         number_of_threads=WG_THREADS + 32)
+                    self._hand_back_dq(parts[i])
+            elif const_expr(not self.dq_warps_meet):
+                for i in cutlass.range_constexpr(len(parts)):
+                    self._hand_back_dq(parts[i])  # the last reductions landed (pass_turn)
+            else:
+                if step == 0:
+                    self._hand_back_dq(parts[0])
             if const_expr(self.dq_warps_meet and parts[0] == 1):
                 cute.arch.barrier(barrier_id=BwdBarrier.DQ_MEET, number_of_threads=64)
             if const_expr(self.deterministic):
@@ -570,10 +578,24 @@ class AttentionBackwardSm90:
                                          part_bytes)
                     cute.arch.cp_async_bulk_commit_group()
             if const_expr(self.deterministic):
+                if const_expr(self.dq_warps_meet):
+                    # Meeting, a warp has no step of slack left for the landing: its buffer goes
+                    # back once read, and its warp group writes the next part while the
+                    # reduction lands and the turn passes.
+                    if step + 1 < num_steps:
+                        if lane == 0:
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        cute.arch.sync_warp()
+                        self._hand_back_dq(parts[0])
                 pass_turn(sem_ptr)  # landed before the next KV block may add
             g, pos = steps.advance(g, pos)
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def _hand_back_dq(self, wg: cutlass.Constexpr):
+        """Warp group wg may write its next dQ part into its buffer."""
+        cute.arch.barrier_arrive(barrier_id=BwdBarrier.DQ_EMPTY + wg, number_of_threads=WG_THREADS + 32)
 
     @cute.jit
     def _dq_turn(self, mKeyBlocks, n_block, num_n_blocks, batch, m_block, rotated,
