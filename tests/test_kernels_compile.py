@@ -389,9 +389,9 @@ def test_backward_drops_its_key_mask_only_for_keys_in_whole_blocks_at_head_dim_1
         AttentionBackwardSm90(BFloat16, 128, 64, False, False, BFloat16, True, whole_keys=True)
 
 
-def test_deterministic_dq_warps_meet_at_head_dim_64_long_causal_or_rotated_calls():
+def test_deterministic_dq_warps_meet_at_head_dim_64_without_causal_mask_or_long_causal_calls():
     """The two dQ warps meet every step in deterministic mode without documents at head dim 64:
-    causal from MEET_KEYS keys on, not causal where the walks are rotated (where each measured
+    without causal mask at every length, causal from MEET_KEYS keys on (where each measured
     faster); the kernel refuses meeting without a dQ warp per part."""
     from cutlass import BFloat16
 
@@ -399,15 +399,14 @@ def test_deterministic_dq_warps_meet_at_head_dim_64_long_causal_or_rotated_calls
     from ringfa4.kernels.bwd_sm90 import AttentionBackwardSm90
 
     long = MEET_KEYS[64]
-    assert bwd_defaults("bf16", 64, True, True, False, seqlen_k=long).dq_warps_meet
-    assert bwd_defaults("bf16", 64, False, True, False, seqlen_k=1024, rotated=True).dq_warps_meet
-    for d, causal, det, docs, keys, rotated in (
-            (64, True, True, False, long - 1, False), (64, False, True, False, long, False),
-            (64, True, False, False, long, False), (64, True, True, True, long, False),
-            (64, False, True, True, 1024, True), (128, True, True, False, 4 * long, False),
-            (128, False, True, False, 1024, True), (64, True, True, False, None, False)):
-        config = bwd_defaults("bf16", d, causal, det, False, docs, seqlen_k=keys, rotated=rotated)
-        assert not config.dq_warps_meet, (d, causal, det, docs, keys, rotated)
+    for causal, keys in ((True, long), (True, 4 * long), (False, 1024), (False, 4 * long), (False, None)):
+        assert bwd_defaults("bf16", 64, causal, True, False, seqlen_k=keys).dq_warps_meet, (causal, keys)
+    for d, causal, det, docs, keys in (
+            (64, True, True, False, long - 1), (64, True, True, False, None), (64, True, False, False, long),
+            (64, False, False, False, long), (64, True, True, True, long), (64, False, True, True, 1024),
+            (128, True, True, False, 4 * long), (128, False, True, False, 1024)):
+        config = bwd_defaults("bf16", d, causal, det, False, docs, seqlen_k=keys)
+        assert not config.dq_warps_meet, (d, causal, det, docs, keys)
     with pytest.raises(ValueError, match="dq_warps_meet"):
         AttentionBackwardSm90(BFloat16, 64, 128, True, True, BFloat16, dq_warp_per_part=False, dq_warps_meet=True)
 

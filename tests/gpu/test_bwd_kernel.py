@@ -220,6 +220,7 @@ def test_rows_with_no_visible_key_contribute_zero():
     (False, 1536, 1536, 4, 64, True),   # as many K/V blocks as query tiles
     (False, 300, 2000, 2, 128, True),   # more K/V blocks than query tiles: walks share starts
     (False, 200, 9000, 2, 128, False),  # 71 K/V blocks, more than half an H100's or H200's SMs
+    (False, 300, 9000, 2, 64, False),   # the same at head dim 64, its dQ warps meeting
 ])
 def test_deterministic_mode_is_bit_identical_run_to_run(causal, sq, sk, hk, d, rotated):
     b, h = 2, 4

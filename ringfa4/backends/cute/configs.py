@@ -153,11 +153,11 @@ SHORT_KEYS = {128: 4096}
 ORDER_KEYS = {64: 8192, 128: 32768}
 # Head dims at which the deterministic backward's two dQ warps meet every step
 # (BwdSm90Config.dq_warps_meet), as one warp for both parts would, and the causal key lengths from
-# which they do; without causal mask they meet where the walks are rotated (interface.rotates).
-# H200 (bench/RESULTS.md, "The deterministic dQ warps meeting every step"): causal at 16k-32k keys
-# 1.03-1.05x with 32/8 heads and 1.01-1.02x with 16/16, but 0.94-1.01x at 1k-8k; not causal
-# 1.02-1.06x rotated, 0.94-0.96x not; 0.87-0.91x at head dim 128.
-MEET_KEYS = {64: 16384}
+# which they do; without causal mask at every length. H200, with the meeting warps handing their
+# buffers back once read (bench/RESULTS.md, "Meeting dQ warps hand their buffers back once read"):
+# causal 1.05-1.10x at 16k-32k keys, 1.01-1.06x at 8k, 0.99-1.01x at 4k, 0.97-0.99x at 1k-2k;
+# not causal 1.00-1.06x but at b 1 x 32k 32/8 (0.98x); at head dim 128 meeting ran 0.87-0.91x.
+MEET_KEYS = {64: 8192}
 
 
 def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False,
@@ -199,14 +199,14 @@ def query_tile(head_dim: int) -> int:
 
 def bwd_defaults(dtype: str, head_dim: int, causal: bool, deterministic: bool, dkv_fp32: bool,
                  has_docs: bool = False, whole_key_blocks: bool = False,
-                 seqlen_k: Optional[int] = None, rotated: bool = False) -> BwdSm90Config:
+                 seqlen_k: Optional[int] = None) -> BwdSm90Config:
     """The backward kernel `backward` uses: with documents and a free launch order (not
     deterministic), document by document, longest walk first (bench/RESULTS.md, "The
     backward's launch order with documents"); staggered warp groups, deterministic too, each
     group's dQ part then ordered on its own (bench/RESULTS.md, "Staggered warp groups in the
     backward", "... in the deterministic backward"). A dQ warp per part where measured faster:
-    deterministic (a turn counter per part; the two warps meeting every step from MEET_KEYS causal
-    keys on, or ``rotated`` walks without causal mask), and head dim 128 not causal (1.03-1.07x; 0.91-0.99x
+    deterministic (a turn counter per part; the two warps meeting every step, where causal from
+    MEET_KEYS keys on), and head dim 128 not causal (1.03-1.07x; 0.91-0.99x
     elsewhere: bench/RESULTS.md, "A dQ warp per warp group's half"). Keys that fill whole K/V
     blocks (``whole_key_blocks``) take the variant without key mask at head dim 128 in the default
     mode, not causal (1.003-1.021x; none at head dim 64: bench/RESULTS.md, "The non-causal
@@ -216,7 +216,7 @@ def bwd_defaults(dtype: str, head_dim: int, causal: bool, deterministic: bool, d
                          staggered=True,
                          dq_warp_per_part=deterministic or (head_dim == 128 and not causal),
                          dq_warps_meet=deterministic and not has_docs and head_dim in MEET_KEYS
-                         and (seqlen_k is not None and seqlen_k >= MEET_KEYS[head_dim] if causal else rotated),
+                         and (not causal or seqlen_k is not None and seqlen_k >= MEET_KEYS[head_dim]),
                          whole_keys=whole_key_blocks and head_dim == 128
                          and not (causal or deterministic or has_docs))
 
@@ -243,9 +243,9 @@ VARIANTS = (
        for d in _HEAD_DIMS
        for dt, add in (("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True), ("fp32", True))]
     + list(dict.fromkeys(
-        bwd_defaults(dt, d, c, det, f32, docs, whole, seqlen_k, rotated)
+        bwd_defaults(dt, d, c, det, f32, docs, whole, seqlen_k)
         for docs in (False, True) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)
         for det in (False, True) for f32 in (False, True)
-        for whole in (False, True) for seqlen_k in (None, MEET_KEYS[64]) for rotated in (False, det and not c)))
+        for whole in (False, True) for seqlen_k in (None, MEET_KEYS[64])))
     + [MergeConfig(out, part, d) for part in _DTYPES for out in (part, "fp32") for d in _HEAD_DIMS]
 )

@@ -510,9 +510,8 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         dk_out, dv_out = sums.unbind(0)
     else:
         dk_out, dv_out = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
-    rotated = rotates(sk, causal, deterministic, _sms(q))
     config = bwd_defaults(DTYPE_NAMES[q.dtype], d, bool(causal), bool(deterministic),
-                          dk_out.dtype == torch.float32, doc_ids is not None, sk % key_tile() == 0, sk, rotated)
+                          dk_out.dtype == torch.float32, doc_ids is not None, sk % key_tile() == 0, sk)
     if doc_order is not None:
         config = replace(config, doc_order=doc_order)
     sems = (None, None)
@@ -527,7 +526,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         docs = (*visible_blocks(doc_ids, causal, tile_m), order)
     compiled(config)(q.detach(), k.detach(), v.detach(), dout, rows.lse2, rows.delta, rows.dq_acc,
                      dk_out, dv_out, sems[0], *docs, sems[1], scale, splits,
-                     int(rotated),
+                     int(rotates(sk, causal, deterministic, _sms(q))),
                      int(launches_lpt(b, sq, h, d, causal, deterministic, doc_ids is not None)))
 
     if rows is not dq:  # dq <- (or +=) the accumulator; a dq it cannot address gets a fresh one added
