@@ -153,8 +153,8 @@ SHORT_KEYS = {128: 4096}
 ORDER_KEYS = {64: 8192, 128: 32768}
 # Head dims at which the deterministic backward's two dQ warps meet every step
 # (BwdSm90Config.dq_warps_meet), as one warp for both parts would, and the causal key lengths from
-# which they do; without causal mask at every length. H200, with the meeting warps handing their
-# buffers back once read (bench/RESULTS.md, "Meeting dQ warps hand their buffers back once read"):
+# which they do; without causal mask at every length. H200, the meeting warps handing their
+# buffers back once read (bench/RESULTS.md, "With the hand-back, the warps meet at head dim 64"):
 # causal 1.05-1.10x at 16k-32k keys, 1.01-1.06x at 8k, 0.99-1.01x at 4k, 0.97-0.99x at 1k-2k;
 # not causal 1.00-1.06x but at b 1 x 32k 32/8 (0.98x); at head dim 128 meeting ran 0.87-0.91x.
 MEET_KEYS = {64: 8192}
