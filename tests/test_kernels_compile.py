@@ -439,14 +439,14 @@ def test_queries_that_see_nothing_do_not_widen_their_tiles_key_range(tile_m):
                 assert lo[start] == lo[rows[0]] and hi[last] == hi[rows[-1]], start
 
 
-def test_deterministic_walks_rotate_whole_where_the_blocks_fit_half_the_sms_else_in_equal_groups():
+def test_deterministic_walks_rotate_whole_where_the_blocks_fit_half_the_sms_else_in_two_equal_groups():
     from ringfa4.backends.cute.interface import rotation_group
 
     sms = 132
     assert rotation_group(8448, False, True, sms) == 66  # 66 K/V blocks: one group
     assert rotation_group(8449, False, True, sms) == 34  # 67: two groups of 34 and 33
-    assert rotation_group(32768, False, True, sms) == 64  # 256: four of 64
-    assert rotation_group(20000, False, True, sms) == 53  # 157: 53, 53, 51
+    assert rotation_group(16384, False, True, sms) == 64  # 128: two of 64
+    assert rotation_group(16897, False, True, sms) == 0  # 133: three groups would be needed
     assert rotation_group(1000, False, True, sms, has_docs=True) == 8
     for causal, det, docs in ((True, True, False), (False, False, False), (False, True, True)):
         assert rotation_group(32768, causal, det, sms, has_docs=docs) == 0

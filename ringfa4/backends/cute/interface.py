@@ -443,20 +443,25 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
     return splits
 
 
+# Rotated groups per row of the deterministic backward at most. H200 (bench/RESULTS.md, "Rotation in
+# groups"): two groups ran 1.00-1.06x the unrotated walks at 16k keys, four 0.90-1.00x at 32k.
+MAX_ROTATION_GROUPS = 2
+
+
 def rotation_group(seqlen_k, causal, deterministic, sms, has_docs=False):
     """K/V blocks per rotated group of the deterministic backward's walks (ringfa4.kernels.bwd_sm90;
     0: not rotated). A rotated CTA waits on CTAs of its group launched after it, so a group is
     at most half the SMs (the other half left to whatever runs beside the kernel: the ring's
-    NCCL kernels, say): every K/V block of a row where they fit, else equal groups that do.
-    With documents only whole rows rotate (a row that is one document)."""
+    NCCL kernels, say): every K/V block of a row where they fit, else equal groups that do, up to
+    MAX_ROTATION_GROUPS. With documents only whole rows rotate (a row that is one document)."""
     if not deterministic or causal:
         return 0
     blocks, most = -(-seqlen_k // key_tile()), sms // 2
     if blocks <= most:
         return blocks
-    if has_docs:
-        return 0
     groups = -(-blocks // most)
+    if has_docs or groups > MAX_ROTATION_GROUPS:
+        return 0
     return -(-blocks // groups)
 
 
