@@ -439,6 +439,19 @@ def test_queries_that_see_nothing_do_not_widen_their_tiles_key_range(tile_m):
                 assert lo[start] == lo[rows[0]] and hi[last] == hi[rows[-1]], start
 
 
+def test_deterministic_walks_rotate_whole_where_the_blocks_fit_half_the_sms_else_in_two_equal_groups():
+    from ringfa4.backends.cute.interface import rotation_group
+
+    sms = 132
+    assert rotation_group(8448, False, True, sms) == 66  # 66 K/V blocks: one group
+    assert rotation_group(8449, False, True, sms) == 34  # 67: two groups of 34 and 33
+    assert rotation_group(16384, False, True, sms) == 64  # 128: two of 64
+    assert rotation_group(16897, False, True, sms) == 0  # 133: three groups would be needed
+    assert rotation_group(1000, False, True, sms, has_docs=True) == 8
+    for causal, det, docs in ((True, True, False), (False, False, False), (False, True, True)):
+        assert rotation_group(32768, causal, det, sms, has_docs=docs) == 0
+
+
 def test_backward_splits_a_kv_heads_query_heads_only_where_kv_blocks_are_few():
     """head_splits (host side): a ring step's 4k causal square with 32/8 heads leaves the longest
     CTAs with a whole SM's share and splits; a 32k sequence, a batch of short sequences and MHA

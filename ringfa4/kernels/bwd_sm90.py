@@ -46,10 +46,15 @@ on a per-tile counter until the blocks before it in a fixed order have landed (a
 descending for causal so that no CTA waits for the long-running low blocks). CTAs are launched
 with the KV block as the fastest grid index, in that same order, so a CTA only ever waits on
 CTAs launched before it. Non-causal, in that order all N blocks of a head reach its first dQ
-tile together and block n waits n steps before it starts; where the host knows the N CTAs fit
-on the GPU at once (``rotate``), block n instead walks the query blocks from n * M / N on,
-wrapping around, and each tile's order is the order the blocks reach it in: in lockstep no
-CTA waits. With documents, rows that are one document walk rotated (the same bits as without).
+tile together and block n waits n steps before it starts, and every tile's blocks then arrive
+one step apart, so each step's jitter adds up along the chain. Where the host knows the N CTAs
+fit on the GPU at once (``rotate`` = N), block n instead walks the query blocks from n * M / N
+on, wrapping around, and each tile's order is the order the blocks reach it in: in lockstep no
+CTA waits. Where they do not, the blocks rotate in groups of ``rotate`` that do: a batch row's
+CTAs launch group by group (every kv head's group j before any group j + 1), block n of a group
+of G walks from n * M / G on, and a tile takes every block of group j before those of group j +
+1, which ran earlier. With documents, rows that are one document walk rotated, when the N CTAs
+fit (the same bits as without).
 With a dQ warp per part (above; bwd_defaults' choice in deterministic mode), each warp group's
 half of a dQ tile has a counter of its own: staggered, group 0's half arrives a step late, and
 its order then runs a step behind group 1's instead of holding both up (on an H100 1.04x at
@@ -287,8 +292,9 @@ class AttentionBackwardSm90:
         launch order, each kv_slot * kv blocks + block (launch_order). head_splits:
         CTAs per (K/V block, kv head), each taking an equal share of its query heads; more than
         1 needs Float32 dk/dv: the shares reduce-add into their kv head's.
-        rotate: nonzero for rotated walks (deterministic, not causal; see the module docstring):
-        the caller's promise that the CTAs of one (kv head, batch) fit on the GPU at once.
+        rotate: nonzero for rotated walks (deterministic, not causal; see the module docstring),
+        the K/V blocks per rotated group (at most kv blocks; with has_docs, kv blocks): the
+        caller's promise that that many CTAs fit on the GPU at once.
         lpt: nonzero to launch each batch row's CTAs longest walk first (causal, not
         deterministic, without doc_order; see the module docstring)."""
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype
@@ -383,6 +389,18 @@ class AttentionBackwardSm90:
                 i = kv_slot * num_n_blocks + n_block
                 n_block = i // kv_slots
                 kv_slot = i - n_block * kv_slots
+        elif const_expr(self.rotates and not self.has_docs):
+            if (rotate != 0) & (rotate < num_n_blocks):
+                # Rotated in groups of `rotate` K/V blocks: a batch row's CTAs launch group by
+                # group, every kv slot's group j before any group j + 1 (the last group may be
+                # smaller), so that a group's CTAs run together and after the groups before them.
+                kv_slots = cute.arch.grid_dim()[1]
+                i = kv_slot * num_n_blocks + n_block
+                group = cutlass.min(i // (kv_slots * rotate), (num_n_blocks - 1) // rotate)
+                size = cutlass.min(rotate, num_n_blocks - group * rotate)
+                i = i - group * kv_slots * rotate
+                kv_slot = i // size
+                n_block = group * rotate + i - kv_slot * size
         kv_head = kv_slot // head_splits
         if const_expr(self.causal and self.deterministic):
             # Shortest KV blocks first: with the reversed reduction order of _store_dq, the
@@ -437,7 +455,8 @@ class AttentionBackwardSm90:
                         | (mQueryHi[batch, last] != seqlen_q)):
                     rotated = Int32(0)
             if rotated != 0:
-                rotation = n_block * num_m_blocks // num_n_blocks
+                first = n_block // rotated * rotated
+                rotation = (n_block - first) * num_m_blocks // cutlass.min(rotated, num_n_blocks - first)
         # Each role below builds its own BwdStepScheduler, so the first head's multiply stays in
         # the branch that uses it instead of on every warp's path.
 
@@ -542,6 +561,13 @@ class AttentionBackwardSm90:
         waits)."""
         lane = cute.arch.lane_idx()
         part_bytes = self.dq_part * Float32.width // 8
+        # Rotated: this block's group of K/V blocks, the first and how many.
+        group_first = Int32(0)
+        group_size = num_n_blocks
+        if const_expr(self.rotates):
+            if rotated != 0:
+                group_first = n_block // rotated * rotated
+                group_size = cutlass.min(rotated, num_n_blocks - group_first)
         g, pos = steps.start()
         for step in cutlass.range(num_steps, unroll=1):
             head, m_block = steps.coords(g, pos)
@@ -562,7 +588,8 @@ class AttentionBackwardSm90:
                 cute.arch.barrier(barrier_id=BwdBarrier.DQ_MEET, number_of_threads=64)
             if const_expr(self.deterministic):
                 # Wait for the KV blocks that add into this dQ tile (or part) before this one.
-                turn = self._dq_turn(mKeyBlocks, n_block, num_n_blocks, batch, m_block, rotated, steps)
+                turn = self._dq_turn(mKeyBlocks, n_block, num_n_blocks, batch, m_block, rotated,
+                                     group_first, group_size, steps)
                 sem_ptr = mSem[None, head, batch].iterator + m_block * self.dq_turns
                 if const_expr(self.dq_turns > 1):
                     sem_ptr = sem_ptr + parts[0]
@@ -598,12 +625,13 @@ class AttentionBackwardSm90:
         cute.arch.barrier_arrive(barrier_id=BwdBarrier.DQ_EMPTY + wg, number_of_threads=WG_THREADS + 32)
 
     @cute.jit
-    def _dq_turn(self, mKeyBlocks, n_block, num_n_blocks, batch, m_block, rotated,
-                 steps: BwdStepScheduler):
+    def _dq_turn(self, mKeyBlocks, n_block, num_n_blocks, batch, m_block, rotated, group_first,
+                 group_size, steps: BwdStepScheduler):
         """Deterministic: how many KV blocks add into dQ tile m_block before this one: blocks
         0 .. n_block-1, or for causal the blocks after this one (descending order); with
         documents counted within the contiguous run of blocks that visits the tile; rotated,
-        in the order the walks reach the tile."""
+        every block of the groups before this block's, then the blocks of its group in the order
+        their walks reach the tile."""
         turn = n_block
         if const_expr(self.has_docs):
             turn = (mKeyBlocks[batch, m_block, 1] - n_block if const_expr(self.causal)
@@ -614,8 +642,8 @@ class AttentionBackwardSm90:
             turn = n_visible - 1 - n_block
         if const_expr(self.rotates):
             if rotated != 0:
-                turn = self._rotated_turn(n_block, m_block, num_n_blocks,
-                                          steps.steps_per_head, steps.rotation)
+                turn = group_first + self._rotated_turn(n_block - group_first, m_block, group_size,
+                                                        steps.steps_per_head, steps.rotation)
         return turn
 
     @cute.jit

@@ -214,18 +214,22 @@ def test_rows_with_no_visible_key_contribute_zero():
     _assert_close("dv", dv, g64[2], glow[2])
 
 
-@pytest.mark.parametrize("causal,sq,sk,hk,d,rotated", [
-    (True, 1536, 1536, 4, 128, False),
-    (False, 1536, 1536, 2, 128, True),  # 12 K/V blocks walk 24 query tiles from staggered starts
-    (False, 1536, 1536, 4, 64, True),   # as many K/V blocks as query tiles
-    (False, 300, 2000, 2, 128, True),   # more K/V blocks than query tiles: walks share starts
-    (False, 200, 9000, 2, 128, False),  # 71 K/V blocks, more than half an H100's or H200's SMs
-    (False, 300, 9000, 2, 64, False),   # the same at head dim 64, its dQ warps meeting
+@pytest.mark.parametrize("causal,sq,sk,hk,d,groups", [
+    (True, 1536, 1536, 4, 128, 0),
+    (False, 1536, 1536, 2, 128, 1),  # 12 K/V blocks walk 24 query tiles from staggered starts
+    (False, 1536, 1536, 4, 64, 1),   # as many K/V blocks as query tiles
+    (False, 300, 2000, 2, 128, 1),   # more K/V blocks than query tiles: walks share starts
+    (False, 200, 9000, 2, 128, 2),   # 71 K/V blocks, more than half an H100's or H200's SMs
+    (False, 4608, 9000, 2, 64, 2),   # the same at head dim 64 (groups of 36 and 35 walk 36 tiles)
+    (False, 300, 20000, 2, 64, 0),   # 157 K/V blocks: more than two groups, so not rotated
 ])
-def test_deterministic_mode_is_bit_identical_run_to_run(causal, sq, sk, hk, d, rotated):
+def test_deterministic_mode_is_bit_identical_run_to_run(causal, sq, sk, hk, d, groups):
+    """Rotated walks (in ``groups`` groups; 0: not rotated) give gradients within bf16 of fp64
+    and the same bits in two runs."""
     b, h = 2, 4
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert cute_backend.interface.rotates(sk, causal, True, sms) == rotated
+    group, blocks = cute_backend.interface.rotation_group(sk, causal, True, sms), -(-sk // 128)
+    assert (-(-blocks // group) if group else 0) == groups
     q, k, v, dout = _inputs(b, sq, sk, h, hk, d, torch.bfloat16, seed=11)
     out, lse, g64, glow = _references(q, k, v, dout, causal, d ** -0.5)
     first = cute_backend.backward(dout, q, k, v, out, lse, causal, d ** -0.5, deterministic=True)
