@@ -440,16 +440,21 @@ def test_queries_that_see_nothing_do_not_widen_their_tiles_key_range(tile_m):
 
 
 def test_deterministic_walks_rotate_whole_where_the_blocks_fit_half_the_sms_else_in_two_equal_groups():
+    from ringfa4.backends.cute.configs import bwd_defaults
     from ringfa4.backends.cute.interface import rotation_group
 
     sms = 132
-    assert rotation_group(8448, False, True, sms) == 66  # 66 K/V blocks: one group
-    assert rotation_group(8449, False, True, sms) == 34  # 67: two groups of 34 and 33
-    assert rotation_group(16384, False, True, sms) == 64  # 128: two of 64
-    assert rotation_group(16897, False, True, sms) == 0  # 133: three groups would be needed
-    assert rotation_group(1000, False, True, sms, has_docs=True) == 8
-    for causal, det, docs in ((True, True, False), (False, False, False), (False, True, True)):
-        assert rotation_group(32768, causal, det, sms, has_docs=docs) == 0
+    assert rotation_group(8448, False, True, sms, True) == 66  # 66 K/V blocks: one group
+    assert rotation_group(8449, False, True, sms, True) == 34  # 67: two groups of 34 and 33
+    assert rotation_group(16384, False, True, sms, True) == 64  # 128: two of 64
+    assert rotation_group(16897, False, True, sms, True) == 0  # 133: three groups would be needed
+    assert rotation_group(8448, False, True, sms, False) == 66  # whole rows need no groups
+    assert rotation_group(8449, False, True, sms, False) == 0
+    for causal, det in ((True, True), (False, False)):
+        assert rotation_group(16384, causal, det, sms, True) == 0
+    assert bwd_defaults("bf16", 64, False, True, False).rotate_groups
+    assert not bwd_defaults("bf16", 128, False, True, False).rotate_groups  # its remapped launch spills
+    assert not bwd_defaults("bf16", 64, False, True, False, has_docs=True).rotate_groups
 
 
 def test_backward_splits_a_kv_heads_query_heads_only_where_kv_blocks_are_few():

@@ -50,11 +50,11 @@ tile together and block n waits n steps before it starts, and every tile's block
 one step apart, so each step's jitter adds up along the chain. Where the host knows the N CTAs
 fit on the GPU at once (``rotate`` = N), block n instead walks the query blocks from n * M / N
 on, wrapping around, and each tile's order is the order the blocks reach it in: in lockstep no
-CTA waits. Where they do not, the blocks rotate in groups of ``rotate`` that do: a batch row's
-CTAs launch group by group (every kv head's group j before any group j + 1), block n of a group
-of G walks from n * M / G on, and a tile takes every block of group j before those of group j +
-1, which ran earlier. With documents, rows that are one document walk rotated, when the N CTAs
-fit (the same bits as without).
+CTA waits. Where they do not (``rotate_groups``), the blocks rotate in groups of ``rotate`` that
+do: a batch row's CTAs launch group by group (every kv head's group j before any group j + 1),
+block n of a group of G walks from n * M / G on, and a tile takes every block of group j before
+those of group j + 1, which ran earlier. With documents, rows that are one document walk
+rotated, when the N CTAs fit (the same bits as without).
 With a dQ warp per part (above; bwd_defaults' choice in deterministic mode), each warp group's
 half of a dQ tile has a counter of its own: staggered, group 0's half arrives a step late, and
 its order then runs a step behind group 1's instead of holding both up (on an H100 1.04x at
@@ -153,7 +153,8 @@ class AttentionBackwardSm90:
 
     def __init__(self, dtype, head_dim: int, tile_m: int, causal: bool, deterministic: bool,
                  dkv_dtype, has_docs: bool = False, doc_order: bool = False, staggered: bool = False,
-                 dq_warp_per_part: bool = False, whole_keys: bool = False, dq_warps_meet: bool = False):
+                 dq_warp_per_part: bool = False, whole_keys: bool = False, dq_warps_meet: bool = False,
+                 rotate_groups: bool = False):
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise ValueError(f"dtype must be Float16 or BFloat16, got {dtype}")
         if head_dim not in (64, 128):
@@ -166,6 +167,8 @@ class AttentionBackwardSm90:
             raise ValueError("doc_order needs has_docs and not deterministic (whose waits rely on the grid's order)")
         if whole_keys and has_docs:
             raise ValueError("whole_keys is for calls without documents, whose masks come from the documents")
+        if rotate_groups and (causal or not deterministic or has_docs):
+            raise ValueError("rotate_groups needs deterministic, not causal, without documents")
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -179,6 +182,10 @@ class AttentionBackwardSm90:
         self.whole_keys = whole_keys
         # Rotated walks (see the module docstring) replace the non-causal reduction order.
         self.rotates = deterministic and not causal
+        # Rotated in groups where a row's K/V blocks do not fit at once: the CTAs' coordinates then
+        # come from a remapped launch order instead of the grid, which costs the MMA warp groups
+        # two registers held through the loop (ptxas spills at head dim 128).
+        self.rotate_groups = rotate_groups
         self.tile_n = 64 * NUM_MMA_WG
         # Register budget per MMA thread: S^T, dP^T (tile_m / 2 each) + dK, dV (head_dim / 2 each).
         self.tile_m = tile_m
@@ -293,7 +300,7 @@ class AttentionBackwardSm90:
         CTAs per (K/V block, kv head), each taking an equal share of its query heads; more than
         1 needs Float32 dk/dv: the shares reduce-add into their kv head's.
         rotate: nonzero for rotated walks (deterministic, not causal; see the module docstring),
-        the K/V blocks per rotated group (at most kv blocks; with has_docs, kv blocks): the
+        the K/V blocks per rotated group (the kv blocks; fewer only with rotate_groups): the
         caller's promise that that many CTAs fit on the GPU at once.
         lpt: nonzero to launch each batch row's CTAs longest walk first (causal, not
         deterministic, without doc_order; see the module docstring)."""
@@ -389,7 +396,7 @@ class AttentionBackwardSm90:
                 i = kv_slot * num_n_blocks + n_block
                 n_block = i // kv_slots
                 kv_slot = i - n_block * kv_slots
-        elif const_expr(self.rotates and not self.has_docs):
+        elif const_expr(self.rotate_groups):
             if (rotate != 0) & (rotate < num_n_blocks):
                 # Rotated in groups of `rotate` K/V blocks: a batch row's CTAs launch group by
                 # group, every kv slot's group j before any group j + 1 (the last group may be
@@ -561,13 +568,12 @@ class AttentionBackwardSm90:
         waits)."""
         lane = cute.arch.lane_idx()
         part_bytes = self.dq_part * Float32.width // 8
-        # Rotated: this block's group of K/V blocks, the first and how many.
-        group_first = Int32(0)
-        group_size = num_n_blocks
         if const_expr(self.rotates):
             if rotated != 0:
-                group_first = n_block // rotated * rotated
-                group_size = cutlass.min(rotated, num_n_blocks - group_first)
+                # Rotated, a tile's order counts this block's group alone after the groups before
+                # it (_dq_turn). Held in num_n_blocks: the warp runs in load_regs, and one more
+                # live register spilled at head dim 128.
+                num_n_blocks = cutlass.min(rotated, num_n_blocks - n_block // rotated * rotated)
         g, pos = steps.start()
         for step in cutlass.range(num_steps, unroll=1):
             head, m_block = steps.coords(g, pos)
@@ -588,8 +594,7 @@ class AttentionBackwardSm90:
                 cute.arch.barrier(barrier_id=BwdBarrier.DQ_MEET, number_of_threads=64)
             if const_expr(self.deterministic):
                 # Wait for the KV blocks that add into this dQ tile (or part) before this one.
-                turn = self._dq_turn(mKeyBlocks, n_block, num_n_blocks, batch, m_block, rotated,
-                                     group_first, group_size, steps)
+                turn = self._dq_turn(mKeyBlocks, n_block, num_n_blocks, batch, m_block, rotated, steps)
                 sem_ptr = mSem[None, head, batch].iterator + m_block * self.dq_turns
                 if const_expr(self.dq_turns > 1):
                     sem_ptr = sem_ptr + parts[0]
@@ -625,13 +630,13 @@ class AttentionBackwardSm90:
         cute.arch.barrier_arrive(barrier_id=BwdBarrier.DQ_EMPTY + wg, number_of_threads=WG_THREADS + 32)
 
     @cute.jit
-    def _dq_turn(self, mKeyBlocks, n_block, num_n_blocks, batch, m_block, rotated, group_first,
-                 group_size, steps: BwdStepScheduler):
+    def _dq_turn(self, mKeyBlocks, n_block, num_n_blocks, batch, m_block, rotated,
+                 steps: BwdStepScheduler):
         """Deterministic: how many KV blocks add into dQ tile m_block before this one: blocks
         0 .. n_block-1, or for causal the blocks after this one (descending order); with
-        documents counted within the contiguous run of blocks that visits the tile; rotated,
-        every block of the groups before this block's, then the blocks of its group in the order
-        their walks reach the tile."""
+        documents counted within the contiguous run of blocks that visits the tile; rotated
+        (num_n_blocks then the blocks of this one's group), every block of the groups before
+        this block's, then the blocks of its group in the order their walks reach the tile."""
         turn = n_block
         if const_expr(self.has_docs):
             turn = (mKeyBlocks[batch, m_block, 1] - n_block if const_expr(self.causal)
@@ -642,15 +647,16 @@ class AttentionBackwardSm90:
             turn = n_visible - 1 - n_block
         if const_expr(self.rotates):
             if rotated != 0:
-                turn = group_first + self._rotated_turn(n_block - group_first, m_block, group_size,
-                                                        steps.steps_per_head, steps.rotation)
+                turn = self._rotated_turn(n_block, m_block, num_n_blocks, steps.steps_per_head,
+                                          steps.rotation)
         return turn
 
     @cute.jit
     def _rotated_turn(self, n_block, m_block, num_n_blocks, num_m_blocks, rotation):
-        """This K/V block's place among the N blocks that reduce into dQ tile m_block, when block
-        n's walk starts at query block n * M // N (``rotation``): the order in which they reach
-        the tile, the earlier start first on a tie."""
+        """This K/V block's place among the N blocks of its group that reduce into dQ tile m_block,
+        when the group's block n walks from query block n * M // N (``rotation``): the order in
+        which they reach the tile, the earlier start first on a tie, after the blocks of the groups
+        before (n_block counts them: groups are N blocks each but the last)."""
         n, m = num_n_blocks, num_m_blocks
         step = m_block - rotation  # the step at which this block reaches the tile
         if step < 0:

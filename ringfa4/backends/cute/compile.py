@@ -60,7 +60,8 @@ def _bwd_args(cfg: BwdSm90Config):
     dt = CUTLASS_DTYPES[cfg.dtype]
     kernel = AttentionBackwardSm90(dt, cfg.head_dim, cfg.tile_m, cfg.causal, cfg.deterministic,
                                    Float32 if cfg.dkv_fp32 else dt, cfg.has_docs, cfg.doc_order, cfg.staggered,
-                                   cfg.dq_warp_per_part, cfg.whole_keys, cfg.dq_warps_meet)
+                                   cfg.dq_warp_per_part, cfg.whole_keys, cfg.dq_warps_meet,
+                                   cfg.rotate_groups)
     b, sq, sk, h, hk, sq_pad, n_m, dq_len, n_n, n_turns = (cute.sym_int() for _ in range(10))
     d = cfg.head_dim
     dq_acc = _fake(Float32, (b, h, dq_len), align_elems=4)  # fragment order

@@ -83,6 +83,9 @@ class BwdSm90Config:
     dq_warps_meet: bool = False
     # seqlen_k is a whole number of K/V blocks (the host checks): no key mask unless causal.
     whole_keys: bool = False
+    # Deterministic, not causal: a row whose K/V blocks outnumber half the SMs rotates its walks
+    # in groups (interface.rotation_group), launched group by group.
+    rotate_groups: bool = False
 
     @property
     def name(self) -> str:
@@ -92,7 +95,7 @@ class BwdSm90Config:
                 f"_{'dkvadd32' if self.dkv_fp32 else 'dkvstore'}" + ("_docs" if self.has_docs else "")
                 + ("_docorder" if self.doc_order else "") + ("_wholekeys" if self.whole_keys else "")
                 + ("_stagger" if self.staggered else "") + ("_dqwarp2" if self.dq_warp_per_part else "")
-                + ("_meet" if self.dq_warps_meet else ""))
+                + ("_meet" if self.dq_warps_meet else "") + ("_groups" if self.rotate_groups else ""))
 
 
 @dataclass(frozen=True)
@@ -210,7 +213,8 @@ def bwd_defaults(dtype: str, head_dim: int, causal: bool, deterministic: bool, d
     elsewhere: bench/RESULTS.md, "A dQ warp per warp group's half"). Keys that fill whole K/V
     blocks (``whole_key_blocks``) take the variant without key mask at head dim 128 in the default
     mode, not causal (1.003-1.021x; none at head dim 64: bench/RESULTS.md, "The non-causal
-    backward without mask code")."""
+    backward without mask code"). Deterministic walks rotate in groups at head dim 64 (bench/RESULTS.md,
+    "Rotation in groups"); at head dim 128 the remapped launch spills and ran 0.93-0.95x."""
     return BwdSm90Config(dtype, head_dim, query_tile(head_dim), causal, deterministic, dkv_fp32, has_docs,
                          doc_order=has_docs and not deterministic,
                          staggered=True,
@@ -218,7 +222,8 @@ def bwd_defaults(dtype: str, head_dim: int, causal: bool, deterministic: bool, d
                          dq_warps_meet=deterministic and not has_docs and head_dim in MEET_KEYS
                          and (not causal or seqlen_k is not None and seqlen_k >= MEET_KEYS[head_dim]),
                          whole_keys=whole_key_blocks and head_dim == 128
-                         and not (causal or deterministic or has_docs))
+                         and not (causal or deterministic or has_docs),
+                         rotate_groups=deterministic and not (causal or has_docs) and head_dim == 64)
 
 
 def fwd_variant(dtype: str, head_dim: int, causal: bool, **overrides) -> FwdSm90Config:

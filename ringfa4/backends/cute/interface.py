@@ -448,19 +448,20 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
 MAX_ROTATION_GROUPS = 2
 
 
-def rotation_group(seqlen_k, causal, deterministic, sms, has_docs=False):
+def rotation_group(seqlen_k, causal, deterministic, sms, in_groups):
     """K/V blocks per rotated group of the deterministic backward's walks (ringfa4.kernels.bwd_sm90;
     0: not rotated). A rotated CTA waits on CTAs of its group launched after it, so a group is
     at most half the SMs (the other half left to whatever runs beside the kernel: the ring's
-    NCCL kernels, say): every K/V block of a row where they fit, else equal groups that do, up to
-    MAX_ROTATION_GROUPS. With documents only whole rows rotate (a row that is one document)."""
+    NCCL kernels, say): every K/V block of a row where they fit, else, where the kernel rotates
+    in groups (``in_groups``: BwdSm90Config.rotate_groups), equal groups that do, up to
+    MAX_ROTATION_GROUPS."""
     if not deterministic or causal:
         return 0
     blocks, most = -(-seqlen_k // key_tile()), sms // 2
     if blocks <= most:
         return blocks
     groups = -(-blocks // most)
-    if has_docs or groups > MAX_ROTATION_GROUPS:
+    if not in_groups or groups > MAX_ROTATION_GROUPS:
         return 0
     return -(-blocks // groups)
 
@@ -540,7 +541,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         docs = (*visible_blocks(doc_ids, causal, tile_m), order)
     compiled(config)(q.detach(), k.detach(), v.detach(), dout, rows.lse2, rows.delta, rows.dq_acc,
                      dk_out, dv_out, sems[0], *docs, sems[1], scale, splits,
-                     rotation_group(sk, causal, deterministic, _sms(q), doc_ids is not None),
+                     rotation_group(sk, causal, deterministic, _sms(q), config.rotate_groups),
                      int(launches_lpt(b, sq, h, d, causal, deterministic, doc_ids is not None)))
 
     if rows is not dq:  # dq <- (or +=) the accumulator; a dq it cannot address gets a fresh one added
