@@ -571,8 +571,7 @@ class AttentionBackwardSm90:
         if const_expr(self.rotates):
             if rotated != 0:
                 # Rotated, a tile's order counts this block's group alone after the groups before
-                # it (_dq_turn). Held in num_n_blocks: the warp runs in load_regs, and one more
-                # live register spilled at head dim 128.
+                # it (_dq_turn): held in num_n_blocks, since the warp runs in load_regs registers.
                 num_n_blocks = cutlass.min(rotated, num_n_blocks - n_block // rotated * rotated)
         g, pos = steps.start()
         for step in cutlass.range(num_steps, unroll=1):
