@@ -7,6 +7,8 @@ Packed documents (position_ids restarting at 0 per document) must give the loss 
 the same model run on each document separately. What the ring cannot do yet is refused with a
 named error. Needs the hf extra.
 """
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -292,6 +294,8 @@ def test_attention_dropout_and_kv_caches_are_refused(ring):
         make_model(ring.name, attention_dropout=0.1).train()(input_ids=input_ids, position_ids=positions,
                                                              use_cache=False)
     model = make_model(ring.name).eval()
-    cache = model(input_ids=input_ids, position_ids=positions, use_cache=True).past_key_values
+    # transformers 5.24 renamed past_key_values (argument and output) to cache
+    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    cache = getattr(model(input_ids=input_ids, position_ids=positions, use_cache=True), name)
     with pytest.raises(hf.UnsupportedByRing, match="KV caches"):
-        model(input_ids=input_ids[:, :1], position_ids=positions[:, :1] + SEQ_LEN, past_key_values=cache)
+        model(input_ids=input_ids[:, :1], position_ids=positions[:, :1] + SEQ_LEN, **{name: cache})
