@@ -9,6 +9,7 @@ deterministic fp32-add backward with documents.
 `python -m ringfa4.kernels --dump DIR` compiles them all."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -53,6 +54,10 @@ def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_shipped_variants(tmp_path):
     assert sum(v.name.startswith("bwd_") and "_wholekeys" in v.name for v in chosen) == 1
     lines = [line for line in run.stdout.splitlines() if line.strip()]
     assert len(lines) == len(chosen)
+    if shutil.which("ptxas"):
+        # No warp role outgrows its setmaxnreg budget (8 bytes of spills once cost the
+        # deterministic backward 3-7% at head dim 128).
+        assert [line for line in lines if not line.endswith("spills=0/0 B")] == []
     for variant in chosen:
         ptx = (tmp_path / f"{variant.name}.ptx").read_text()
         assert ".target sm_90a" in ptx, variant.name

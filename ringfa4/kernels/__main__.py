@@ -2,8 +2,10 @@
 
     python -m ringfa4.kernels --arch sm_90a --dump DIR [--only REGEX] [--sass [--compare OLD_DIR]]
 
-writes DIR/<variant>.ptx and prints one line per variant: name, compile seconds, and how many
-wgmma / TMA instructions its PTX holds. With --sass (nvdisasm on PATH, from the CUDA toolkit) it
+writes DIR/<variant>.ptx and prints one line per variant: name, compile seconds, how many
+wgmma / TMA instructions its PTX holds and, with ptxas on PATH, the spill bytes ptxas reports for it
+(a warp-specialized kernel spills where a role outgrows its setmaxnreg budget: a few bytes cost
+the deterministic backward 3-7% at head dim 128, bench/RESULTS.md, "Rotation in groups"). With --sass (nvdisasm on PATH, from the CUDA toolkit) it
 also writes DIR/<variant>.sass, the disassembly of the cubin the DSL built, and prints the length
 of its main loop (ringfa4.kernels.sass); with --compare, how many of the loop's instructions
 moved against OLD_DIR's .sass of the same variant: dump the tree before a kernel change, then
@@ -31,7 +33,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.compare and not args.sass:
         parser.error("--compare needs --sass")
-    nvdisasm = shutil.which("nvdisasm")
+    nvdisasm, ptxas = shutil.which("nvdisasm"), shutil.which("ptxas")
     if args.sass and nvdisasm is None:
         parser.error("--sass needs nvdisasm (CUDA toolkit) on PATH")
     # Must be set before cutlass is imported: without a GPU the DSL would target sm_100a.
@@ -55,11 +57,22 @@ def main(argv=None):
             secs = kc.compile_seconds[(v, kc.ARCH, options)]
             line = (f"{v.name}  {secs:6.1f} s  wgmma={ptx.count('wgmma.mma_async')} "
                     f"tma={ptx.count('cp.async.bulk.tensor')}  -> {path}")
+            if ptxas:
+                line += "  " + _spills(ptxas, args.arch, path)
             if args.sass:
                 line += "  " + _sass(nvdisasm, fn.__cubin__, os.path.join(args.dump, v.name + ".sass"),
                                      args.compare and os.path.join(args.compare, v.name + ".sass"))
             print(line, flush=True)
     return 0
+
+
+def _spills(ptxas, arch, ptx_path):
+    """Spill stores / loads in bytes that ptxas reports for the PTX at ptx_path."""
+    with tempfile.TemporaryDirectory() as scratch:
+        report = subprocess.run([ptxas, f"-arch={arch}", "-v", "-o", os.path.join(scratch, "k.cubin"), ptx_path],
+                                capture_output=True, text=True, check=True).stderr
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    return f"spills={sum(int(s) for s, _ in spills)}/{sum(int(l) for _, l in spills)} B"
 
 
 def _sass(nvdisasm, cubin, path, old_path):
