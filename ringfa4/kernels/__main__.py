@@ -2,14 +2,15 @@
 
     python -m ringfa4.kernels --arch sm_90a --dump DIR [--only REGEX] [--sass [--compare OLD_DIR]]
 
-writes DIR/<variant>.ptx and prints one line per variant: name, compile seconds, how many
-wgmma / TMA instructions its PTX holds and, with ptxas on PATH, the spill bytes ptxas reports for it
+writes DIR/<variant>.ptx and prints one line per variant: name, compile seconds, how many wgmma
+/ TMA instructions its PTX holds and, with ptxas on PATH, the spill bytes ptxas reports for it
 (a warp-specialized kernel spills where a role outgrows its setmaxnreg budget: a few bytes cost
-the deterministic backward 3-7% at head dim 128, bench/RESULTS.md, "Rotation in groups"). With --sass (nvdisasm on PATH, from the CUDA toolkit) it
-also writes DIR/<variant>.sass, the disassembly of the cubin the DSL built, and prints the length
-of its main loop (ringfa4.kernels.sass); with --compare, how many of the loop's instructions
-moved against OLD_DIR's .sass of the same variant: dump the tree before a kernel change, then
-after, and time only what ptxas did not reschedule by accident.
+the deterministic backward 3-7% at head dim 128, bench/RESULTS.md, "Rotation in groups"). With
+--sass (nvdisasm on PATH, from the CUDA toolkit) it also writes DIR/<variant>.sass, the
+disassembly of the cubin the DSL built, and prints the length of its main loop
+(ringfa4.kernels.sass); with --compare, how many of the loop's instructions moved against
+OLD_DIR's .sass of the same variant: dump the tree before a kernel change, then after, and time
+only what ptxas did not reschedule by accident.
 """
 import argparse
 import os

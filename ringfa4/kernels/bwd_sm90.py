@@ -462,8 +462,8 @@ class AttentionBackwardSm90:
                         | (mQueryHi[batch, last] != seqlen_q)):
                     rotated = Int32(0)
             if rotated != 0:
-                first = n_block // rotated * rotated
-                rotation = (n_block - first) * num_m_blocks // cutlass.min(rotated, num_n_blocks - first)
+                first, size = self._rotation_group(n_block, num_n_blocks, rotated)
+                rotation = (n_block - first) * num_m_blocks // size
         # Each role below builds its own BwdStepScheduler, so the first head's multiply stays in
         # the branch that uses it instead of on every warp's path.
 
@@ -572,7 +572,7 @@ class AttentionBackwardSm90:
             if rotated != 0:
                 # Rotated, a tile's order counts this block's group alone after the groups before
                 # it (_dq_turn): held in num_n_blocks, since the warp runs in load_regs registers.
-                num_n_blocks = cutlass.min(rotated, num_n_blocks - n_block // rotated * rotated)
+                num_n_blocks = self._rotation_group(n_block, num_n_blocks, rotated)[1]
         g, pos = steps.start()
         for step in cutlass.range(num_steps, unroll=1):
             head, m_block = steps.coords(g, pos)
@@ -649,6 +649,13 @@ class AttentionBackwardSm90:
                 turn = self._rotated_turn(n_block, m_block, num_n_blocks, steps.steps_per_head,
                                           steps.rotation)
         return turn
+
+    @cute.jit
+    def _rotation_group(self, n_block, num_n_blocks, rotate):
+        """The first K/V block of n_block's rotated group and the group's size (groups of
+        ``rotate`` blocks, the last one smaller where they do not divide num_n_blocks)."""
+        first = n_block // rotate * rotate
+        return first, cutlass.min(rotate, num_n_blocks - first)
 
     @cute.jit
     def _rotated_turn(self, n_block, m_block, num_n_blocks, num_m_blocks, rotation):

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.gpu
 if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
     import ringfa4.backends.cute as cute_backend
     from ringfa4.backends.cute.configs import bwd_defaults
+    from ringfa4.backends.cute.launch import key_tile
     from ringfa4.backends.cute.query_state import QueryRows, QueryState
 else:
     pytestmark = [pytest.mark.gpu, pytest.mark.skip(reason="needs a Hopper (sm_90) GPU")]
@@ -229,8 +230,9 @@ def test_deterministic_mode_is_bit_identical_run_to_run(causal, sq, sk, hk, d, g
     and the same bits in two runs."""
     b, h = 2, 4
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    group, blocks = cute_backend.interface.rotation_group(
-        sk, causal, True, sms, bwd_defaults("bf16", d, causal, True, False).rotate_groups), -(-sk // 128)
+    in_groups = bwd_defaults("bf16", d, causal, True, False).rotate_groups
+    group = cute_backend.interface.rotation_group(sk, causal, True, sms, in_groups)
+    blocks = -(-sk // key_tile())
     assert (-(-blocks // group) if group else 0) == groups
     q, k, v, dout = _inputs(b, sq, sk, h, hk, d, torch.bfloat16, seed=11)
     out, lse, g64, glow = _references(q, k, v, dout, causal, d ** -0.5)
