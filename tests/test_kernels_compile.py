@@ -35,10 +35,10 @@ def test_dump_cli_writes_ptx_with_wgmma_and_tma_for_shipped_variants(tmp_path):
     )
     assert run.returncode == 0, run.stdout + run.stderr
     chosen = [v for v in VARIANTS if re.search(SUBSET, v.name)]
-    # 2 dtypes x 2 head dims x causal or not, long and (causal, d128 not causal) short walks, d64
-    # also packed GQA
-    assert sum(v.name.startswith("fwd_") for v in chosen) == 40
-    assert sum(v.name.startswith("fwd_") and "_docs" in v.name for v in chosen) == 20
+    # 2 dtypes x 2 head dims x causal or not, long and short walks (causal; d128 not causal: 128-
+    # and 160-key blocks), d64 also packed GQA
+    assert sum(v.name.startswith("fwd_") for v in chosen) == 44
+    assert sum(v.name.startswith("fwd_") and "_docs" in v.name for v in chosen) == 22
     # causal short walks: persistent in the host's order (d128; d64 unpacked and packed)
     assert sum(v.name.startswith("fwd_") and v.name.endswith("_order") for v in chosen) == 12
     assert sum(v.name.startswith("fwd_") and v.name.endswith("_docs_order") for v in chosen) == 6
@@ -132,9 +132,12 @@ def test_forward_packs_the_query_heads_of_a_kv_head_at_head_dim_64_where_they_di
     assert fwd_defaults("bf16", 128, True, heads_per_kv=4).pack_gqa == 1
 
 
-def test_short_non_causal_forward_at_hdim_128_runs_persistent_ctas_with_128_key_blocks():
-    cfg = fwd_defaults("bf16", 128, False, seqlen_k=4096)
+def test_short_non_causal_forward_at_hdim_128_runs_persistent_ctas_with_128_then_160_key_blocks():
+    cfg = fwd_defaults("bf16", 128, False, seqlen_k=1024)
     assert cfg.persistent and cfg.tile_n == 128 and not cfg.tile_order
+    for keys in (1025, 4096):
+        cfg = fwd_defaults("bf16", 128, False, seqlen_k=keys)
+        assert cfg.persistent and cfg.tile_n == 160 and not cfg.tile_order
     cfg = fwd_defaults("bf16", 128, False, seqlen_k=4097)
     assert not cfg.persistent and cfg.tile_n == 176
     assert fwd_defaults("bf16", 64, False).persistent  # 192-row tiles: persistent at any length

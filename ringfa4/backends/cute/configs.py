@@ -138,11 +138,14 @@ class MergeConfig:
         return f"merge_{self.out_dtype}_{self.part_dtype}_d{self.head_dim}"
 
 
-# Key lengths up to which the non-causal forward at head dim 128 runs persistent CTAs with
-# 128-key blocks (bench/RESULTS.md, "Short forward tiles"): with few key blocks per tile, a CTA's
-# Q load and first K wait are what a persistent producer hides behind the last tile's softmax.
-# (176-key blocks leave a ragged last block and too few tiles to fill the GPU.)
+# Key lengths up to which the non-causal forward at head dim 128 runs persistent CTAs, and their
+# key blocks (bench/RESULTS.md, "Short forward tiles", "160-key blocks for short non-causal
+# forwards"): with few key blocks per tile, a CTA's Q load and first K wait are what a persistent
+# producer hides behind the last tile's softmax. 160-key blocks (the longest whose persistent Q,
+# O and two K/V stages fit shared memory) ran 1.014-1.036x the 128-key ones at 2k-4k keys and
+# 0.97x at 1k (H200, sustained turns); past 4k the 176-key launch-order tiles are level or ahead.
 SHORT_KEYS = {128: 4096}
+SHORT_TILE_N = {128: ((1024, 128), (4096, 160))}  # (up to this many keys, key block)
 # The longest causal walk (the longest document, or where that is not known the key length), by
 # head dim, up to which the causal forward runs persistent CTAs in the host's balanced tile order
 # (interface.tile_order): short walks are where a persistent producer hides the next tile's
@@ -170,7 +173,7 @@ def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False
     and H200 (bench/RESULTS.md, kernel section): three consumer warpgroups (192-row tiles) at
     head dim 64, persistent when not causal; 128-row tiles at 128, with 176-key blocks when not
     causal (fewer, longer softmax/rescale steps); LPT order when causal. Not causal, up to
-    SHORT_KEYS keys (``seqlen_k``; None: longer), persistent with 128-key blocks; causal, with
+    SHORT_KEYS keys (``seqlen_k``; None: longer), persistent with SHORT_TILE_N's blocks; causal, with
     walks of up to ORDER_KEYS (the longest document, ``longest_document``, else ``seqlen_k``),
     persistent in the host's tile order. At head dim 64 with GQA (``heads_per_kv`` query heads per kv head), the heads
     of a kv head share each tile's rows where they divide it (pack_gqa: 1.01-1.16x; at head dim
@@ -183,7 +186,8 @@ def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False
         cfg = FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=128,
                             tile_n=128 if causal else 176, lpt=causal, has_docs=has_docs)
     if not causal and seqlen_k is not None and seqlen_k <= SHORT_KEYS.get(head_dim, 0):
-        cfg = replace(cfg, tile_n=128, persistent=True)
+        tile_n = next(n for keys, n in SHORT_TILE_N[head_dim] if seqlen_k <= keys)
+        cfg = replace(cfg, tile_n=tile_n, persistent=True)
     walk = longest_document if longest_document is not None else seqlen_k
     if causal and walk is not None and walk <= ORDER_KEYS[head_dim]:
         cfg = replace(cfg, persistent=True, tile_order=True)
@@ -236,12 +240,19 @@ def fwd_variant(dtype: str, head_dim: int, causal: bool, **overrides) -> FwdSm90
 # per kv head (Llama 3's GQA; other groups compile on first use); the backward's preprocess, main kernel (every causal /
 # deterministic / dK-dV mode and query tile, without and with documents) and dQ postprocess (dq fresh or given in the input dtype, or an fp32 dq to add into); and the
 # ring's merge (two ranks sum in the input dtype, more in fp32: ringfa4.ring.attention._sum_dtype).
+def _fwd_key_lengths(head_dim, causal):
+    """Key lengths (None: long) that pick each of the forward's configurations of these inputs."""
+    if causal:
+        return (None, 1)
+    return (None, *(keys for keys, _ in SHORT_TILE_N.get(head_dim, ())))
+
+
 _DTYPES = ("bf16", "fp16")
 _HEAD_DIMS = (64, 128)
 VARIANTS = (
     [fwd_defaults(dt, d, c, docs, seqlen_k, heads_per_kv)
      for docs in (False, True) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)
-     for seqlen_k in ((None, 1) if c or d in SHORT_KEYS else (None,))
+     for seqlen_k in _fwd_key_lengths(d, c)
      for heads_per_kv in ((1, 4) if d == 64 else (1,))]
     + [BwdPreprocessConfig(dt, d) for dt in _DTYPES for d in _HEAD_DIMS]
     + [DqPostprocessConfig(dt, d, query_tile(d), add)
