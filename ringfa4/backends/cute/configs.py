@@ -138,14 +138,14 @@ class MergeConfig:
         return f"merge_{self.out_dtype}_{self.part_dtype}_d{self.head_dim}"
 
 
-# Key lengths up to which the non-causal forward at head dim 128 runs persistent CTAs, and their
-# key blocks (bench/RESULTS.md, "Short forward tiles", "160-key blocks for short non-causal
-# forwards"): with few key blocks per tile, a CTA's Q load and first K wait are what a persistent
-# producer hides behind the last tile's softmax. 160-key blocks (the longest whose persistent Q,
-# O and two K/V stages fit shared memory) ran 1.014-1.036x the 128-key ones at 2k-4k keys and
-# 0.97x at 1k (H200, sustained turns); past 4k the 176-key launch-order tiles are level or ahead.
-SHORT_KEYS = {128: 4096}
-SHORT_TILE_N = {128: ((1024, 128), (4096, 160))}  # (up to this many keys, key block)
+# Key blocks of the non-causal forward at head dim 128 where it runs persistent CTAs, as (up to
+# this many keys, key block); longer calls launch 176-key tiles (bench/RESULTS.md, "Short forward
+# tiles", "160-key blocks for short non-causal forwards"). With few key blocks per tile, a CTA's
+# Q load and first K wait are what a persistent producer hides behind the last tile's softmax.
+# 160 keys (the most whose persistent Q, O and two K/V stages fit shared memory) ran 1.014-1.038x
+# 128 at 2k-4k keys and 0.967x at 1k (H200, sustained turns); past 4k the 176-key tiles launched
+# in order are level or ahead.
+SHORT_TILE_N = {128: ((1024, 128), (4096, 160))}
 # The longest causal walk (the longest document, or where that is not known the key length), by
 # head dim, up to which the causal forward runs persistent CTAs in the host's balanced tile order
 # (interface.tile_order): short walks are where a persistent producer hides the next tile's
@@ -173,7 +173,7 @@ def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False
     and H200 (bench/RESULTS.md, kernel section): three consumer warpgroups (192-row tiles) at
     head dim 64, persistent when not causal; 128-row tiles at 128, with 176-key blocks when not
     causal (fewer, longer softmax/rescale steps); LPT order when causal. Not causal, up to
-    SHORT_KEYS keys (``seqlen_k``; None: longer), persistent with SHORT_TILE_N's blocks; causal, with
+    SHORT_TILE_N's keys (``seqlen_k``; None: longer), persistent with its blocks; causal, with
     walks of up to ORDER_KEYS (the longest document, ``longest_document``, else ``seqlen_k``),
     persistent in the host's tile order. At head dim 64 with GQA (``heads_per_kv`` query heads per kv head), the heads
     of a kv head share each tile's rows where they divide it (pack_gqa: 1.01-1.16x; at head dim
@@ -185,9 +185,10 @@ def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False
     else:
         cfg = FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=128,
                             tile_n=128 if causal else 176, lpt=causal, has_docs=has_docs)
-    if not causal and seqlen_k is not None and seqlen_k <= SHORT_KEYS.get(head_dim, 0):
-        tile_n = next(n for keys, n in SHORT_TILE_N[head_dim] if seqlen_k <= keys)
-        cfg = replace(cfg, tile_n=tile_n, persistent=True)
+    short = [n for keys, n in SHORT_TILE_N.get(head_dim, ()) if not causal and seqlen_k is not None
+             and seqlen_k <= keys]
+    if short:
+        cfg = replace(cfg, tile_n=short[0], persistent=True)
     walk = longest_document if longest_document is not None else seqlen_k
     if causal and walk is not None and walk <= ORDER_KEYS[head_dim]:
         cfg = replace(cfg, persistent=True, tile_order=True)
