@@ -236,11 +236,6 @@ def fwd_variant(dtype: str, head_dim: int, causal: bool, **overrides) -> FwdSm90
     return replace(fwd_defaults(dtype, head_dim, causal), **overrides)
 
 
-# The shipped variants (`python -m ringfa4.kernels --dump` compiles each): the forward's
-# defaults, long and short, without and with documents, and at head dim 64 packed by 4 query heads
-# per kv head (Llama 3's GQA; other groups compile on first use); the backward's preprocess, main kernel (every causal /
-# deterministic / dK-dV mode and query tile, without and with documents) and dQ postprocess (dq fresh or given in the input dtype, or an fp32 dq to add into); and the
-# ring's merge (two ranks sum in the input dtype, more in fp32: ringfa4.ring.attention._sum_dtype).
 def _fwd_key_lengths(head_dim, causal):
     """Key lengths (None: long) that pick each of the forward's configurations of these inputs."""
     if causal:
@@ -248,6 +243,11 @@ def _fwd_key_lengths(head_dim, causal):
     return (None, *(keys for keys, _ in SHORT_TILE_N.get(head_dim, ())))
 
 
+# The shipped variants (`python -m ringfa4.kernels --dump` compiles each): the forward's
+# defaults, long and short, without and with documents, and at head dim 64 packed by 4 query heads
+# per kv head (Llama 3's GQA; other groups compile on first use); the backward's preprocess, main kernel (every causal /
+# deterministic / dK-dV mode and query tile, without and with documents) and dQ postprocess (dq fresh or given in the input dtype, or an fp32 dq to add into); and the
+# ring's merge (two ranks sum in the input dtype, more in fp32: ringfa4.ring.attention._sum_dtype).
 _DTYPES = ("bf16", "fp16")
 _HEAD_DIMS = (64, 128)
 VARIANTS = (
