@@ -142,7 +142,7 @@ FLAG_VARIANTS = [
     dict(lpt=True),
     dict(num_stages=3, tile_n=128),  # a third 176-key stage does not fit in shared memory
     dict(persistent=True, tile_n=128),  # nor do persistent CTAs' separate O buffer with 176 keys
-    dict(persistent=True, tile_n=160),  # the short non-causal default from 1k keys: a ragged last block
+    dict(persistent=True, tile_n=160),  # the short non-causal default above 1k keys: a ragged last block
     dict(tile_n=128),
     dict(tile_n=176),
     dict(tile_n=192),

@@ -185,10 +185,10 @@ def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False
     else:
         cfg = FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=128,
                             tile_n=128 if causal else 176, lpt=causal, has_docs=has_docs)
-    short = [n for keys, n in SHORT_TILE_N.get(head_dim, ()) if not causal and seqlen_k is not None
-             and seqlen_k <= keys]
-    if short:
-        cfg = replace(cfg, tile_n=short[0], persistent=True)
+    if not causal and seqlen_k is not None:
+        tile_n = next((n for keys, n in SHORT_TILE_N.get(head_dim, ()) if seqlen_k <= keys), None)
+        if tile_n is not None:
+            cfg = replace(cfg, tile_n=tile_n, persistent=True)
     walk = longest_document if longest_document is not None else seqlen_k
     if causal and walk is not None and walk <= ORDER_KEYS[head_dim]:
         cfg = replace(cfg, persistent=True, tile_order=True)
