@@ -132,6 +132,16 @@ def test_forward_packs_the_query_heads_of_a_kv_head_at_head_dim_64_where_they_di
     assert fwd_defaults("bf16", 128, True, heads_per_kv=4).pack_gqa == 1
 
 
+def test_forward_waits_for_p_v_after_the_softmax_only_at_head_dim_64_without_mask_packing_or_documents():
+    assert fwd_defaults("bf16", 64, False).late_pv_wait
+    assert fwd_defaults("fp16", 64, False, seqlen_k=1024).late_pv_wait
+    assert not fwd_defaults("bf16", 64, True).late_pv_wait
+    assert not fwd_defaults("bf16", 64, False, heads_per_kv=4).late_pv_wait
+    assert not fwd_defaults("bf16", 64, False, True).late_pv_wait
+    assert not fwd_defaults("bf16", 128, False).late_pv_wait
+    assert "latepv" in fwd_defaults("bf16", 64, False).name
+
+
 def test_short_non_causal_forward_at_hdim_128_runs_persistent_ctas_with_128_then_160_key_blocks():
     cfg = fwd_defaults("bf16", 128, False, seqlen_k=1024)
     assert cfg.persistent and cfg.tile_n == 128 and not cfg.tile_order

@@ -33,6 +33,10 @@ Techniques, each a compile-time switch of the configuration so benchmarks can sh
 - lpt: causal tiles ordered longest-first, heads grouped so a group's K/V stays in L2.
 - persistent: the producer loads the next tile's Q, K, V while consumers finish the last one
   (O then needs its own staging buffer instead of reusing Q's).
+- late_pv_wait: with intra_wg_overlap, the wait for P_j V_j sits in the O rescale's branches,
+  after the softmax of S_{j+1}. Placed before the rescale in one block, ptxas hoists it as far
+  up as it can (at head dim 64 without causal mask above every exp2 of the step), and the
+  warpgroup idles until the product ends.
 Ragged tails rely on TMA: loads outside the tensor fill zeros, stores outside it are dropped.
 
 Packed documents (has_docs, one variant for every boundary set): the kernel takes each query's
@@ -504,10 +508,14 @@ class FwdSm90:
         warpgroup.wait_group(1)
         row_scale = self.softmax_step(ops, softmax, acc_S, state, m_block, batch, n_block,
                                       masked=masked, is_first=False)
-        warpgroup.wait_group(0)
+        if const_expr(self.cfg.late_pv_wait):
+            self.rescale_o(ops, softmax, row_scale, wait_pv=True)
+        else:
+            warpgroup.wait_group(0)
         ops.pipe_v.consumer_release(v_state)
         convert_to(wgmma.acc_as_operand_a(acc_S), ops.tOrP)
-        self.rescale_o(ops, softmax, row_scale)
+        if const_expr(not self.cfg.late_pv_wait):
+            self.rescale_o(ops, softmax, row_scale)
         return state
 
     @cute.jit
@@ -552,11 +560,19 @@ class FwdSm90:
         wgmma.gemm(ops.tiled_mma_pv, ops.acc_O, ops.tOrP, ops.tOrVt[None, None, None, stage], False, wait)
 
     @cute.jit
-    def rescale_o(self, ops, softmax, row_scale):
+    def rescale_o(self, ops, softmax, row_scale, wait_pv: cutlass.Constexpr[bool] = False):
+        """O *= row_scale where a row needs it. ``wait_pv``: P V is still in flight; wait for it
+        on each path of the rescale's branch, which ptxas cannot hoist above the exp2s."""
         if const_expr(self.cfg.rescale_threshold is not None):
             if softmax.needs_rescale(row_scale):
+                if const_expr(wait_pv):
+                    warpgroup.wait_group(0)
                 scale_rows(ops.acc_O, row_scale)
+            elif const_expr(wait_pv):
+                warpgroup.wait_group(0)
         else:
+            if const_expr(wait_pv):
+                warpgroup.wait_group(0)
             scale_rows(ops.acc_O, row_scale)
 
     @cute.jit

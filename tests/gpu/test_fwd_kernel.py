@@ -136,6 +136,8 @@ FLAG_VARIANTS = [
     dict(pingpong=False),
     dict(intra_wg_overlap=False, pingpong=False),
     dict(rescale_threshold=None),
+    dict(late_pv_wait=True),
+    dict(late_pv_wait=True, rescale_threshold=None),
     dict(ex2_fma_per16=3),
     dict(ex2_fma_per16=16),
     dict(lpt=False),

@@ -25,6 +25,11 @@ class FwdSm90Config:
     # 256 of headroom, harmless in fp32 and for bf16 P); None rescales on every growth.
     rescale_threshold: Optional[float] = 8.0
     ex2_fma_per16: int = 0
+    # The wait for the in-flight P V product inside the O rescale's branches, after the softmax
+    # (the kernel's docstring). 1.01x at head dim 64 without causal mask, where ptxas otherwise
+    # waits before the first exp2; 0.95-0.97x at the other defaults, whose schedules already
+    # overlap some exp2s with the product (H200, bench/RESULTS.md, "The forward's wait for P V").
+    late_pv_wait: bool = False
     lpt: bool = False
     persistent: bool = False
     # Pack-GQA (FA4's pack_gqa): the query heads of a kv head, this many, share each tile's rows
@@ -47,7 +52,7 @@ class FwdSm90Config:
             "pp" if self.pingpong else "nopp",
             f"rs{self.rescale_threshold:g}" if self.rescale_threshold is not None else "rsalways",
             f"ex{self.ex2_fma_per16}",
-        ] + (["lpt"] if self.lpt else []) + (["persist"] if self.persistent else []) + (
+        ] + (["latepv"] if self.late_pv_wait else []) + (["lpt"] if self.lpt else []) + (["persist"] if self.persistent else []) + (
             [f"gqa{self.pack_gqa}"] if self.pack_gqa > 1 else []) + (["docs"] if self.has_docs else []) + (
             ["order"] if self.tile_order else [])
         return (
@@ -178,7 +183,8 @@ def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False
     persistent in the host's tile order. At head dim 64 with GQA (``heads_per_kv`` query heads per kv head), the heads
     of a kv head share each tile's rows where they divide it (pack_gqa: 1.01-1.16x; at head dim
     128 0.98-1.03x, so not there). With documents (``has_docs``) the same tiles, so that one
-    document gives the dense result bit for bit."""
+    document gives the dense result bit for bit. At head dim 64 without causal mask, packing or
+    documents, the wait for P V after the softmax (late_pv_wait)."""
     if head_dim <= 64:
         cfg = FwdSm90Config(dtype=dtype, head_dim=head_dim, causal=causal, tile_m=192,
                             tile_n=128, lpt=causal, persistent=not causal, has_docs=has_docs)
@@ -194,6 +200,8 @@ def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False
         cfg = replace(cfg, persistent=True, tile_order=True)
     if head_dim <= 64 and heads_per_kv > 1 and cfg.tile_m % heads_per_kv == 0:
         cfg = replace(cfg, pack_gqa=heads_per_kv)
+    if head_dim <= 64 and not (causal or has_docs) and cfg.pack_gqa == 1:
+        cfg = replace(cfg, late_pv_wait=True)
     return cfg
 
 
