@@ -53,7 +53,8 @@ class FwdSm90Config:
             "pp" if self.pingpong else "nopp",
             f"rs{self.rescale_threshold:g}" if self.rescale_threshold is not None else "rsalways",
             f"ex{self.ex2_fma_per16}",
-        ] + (["latepv"] if self.late_pv_wait else []) + (["lpt"] if self.lpt else []) + (["persist"] if self.persistent else []) + (
+        ] + (["latepv"] if self.late_pv_wait else []) + (["lpt"] if self.lpt else []) + (
+            ["persist"] if self.persistent else []) + (
             [f"gqa{self.pack_gqa}"] if self.pack_gqa > 1 else []) + (["docs"] if self.has_docs else []) + (
             ["order"] if self.tile_order else [])
         return (
