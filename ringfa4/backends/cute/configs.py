@@ -26,9 +26,9 @@ class FwdSm90Config:
     rescale_threshold: Optional[float] = 8.0
     ex2_fma_per16: int = 0
     # The wait for the in-flight P V product inside the O rescale's branches, after the softmax
-    # (the kernel's docstring). 1.00-1.015x at head dim 64 without causal mask, where ptxas
-    # otherwise waits before the first exp2; 0.95-0.97x at the other defaults, where it already
-    # leaves 5-25 exp2s before the wait (H200, sustained turns; identical kernels in the same
+    # (the kernel's docstring). 1.00-1.015x at head dim 64 without causal mask or packing, where
+    # ptxas otherwise waits before the first exp2; 0.95-0.97x at the other defaults, where it
+    # leaves 2-28 exp2s before the wait (H200, sustained turns; identical kernels in the same
     # runs read 0.98-1.00x: bench/RESULTS.md, "The forward's wait for P V after the softmax").
     late_pv_wait: bool = False
     lpt: bool = False
