@@ -119,13 +119,16 @@ def test_forward_on_sequence_slices_of_longer_tensors(causal):
     _check(q, k, v, causal, None, seed)
 
 
-def test_scores_with_large_spread_are_exact_under_conditional_rescale():
-    """Keys whose scores grow along the sequence force real rescales; a row max that rises by
-    less than the threshold must leave the result exact too."""
+@pytest.mark.parametrize("ramp", [(0.0, 6.0), (6.0, 0.0)], ids=["rising", "falling"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_scores_with_large_spread_are_exact_under_conditional_rescale(d, ramp):
+    """Keys whose scores grow or shrink along the sequence (blocks run last to first: falling
+    keys raise the row max block after block) force real rescales, at head dim 64 with the wait
+    for P V inside the rescale's branches; a row max that rises by less than the threshold must
+    leave the result exact too."""
     seed = _fresh_seed()
-    q, k, v = _inputs(1, 1000, 3000, 2, 2, 128, torch.bfloat16, seed)
-    ramp = torch.linspace(0.0, 6.0, 3000, device="cuda")[None, :, None, None]
-    k = (k.float() * ramp).to(torch.bfloat16)
+    q, k, v = _inputs(1, 1000, 3000, 2, 2, d, torch.bfloat16, seed)
+    k = (k.float() * torch.linspace(*ramp, 3000, device="cuda")[None, :, None, None]).to(torch.bfloat16)
     _check(q, k, v, False, None, seed)
 
 
