@@ -20,8 +20,9 @@ User mode: what a user calls. ``ringfa4.attention(q, k, v, causal, backend="cute
 ringfa4's backward alone, default and deterministic, from one (out, lse) (det/default = default
 time / deterministic time). Fresh random bf16 inputs per shape. Shapes: seq 1k..32k at 32k tokens
 per batch, causal and not, hdim 128 and 64, heads 16/16 and 32/8; ring-step shapes at batch 1,
-32/8 heads, hdim 128 (RING_STEPS). 2 warm-up calls, then 3 rounds of turns filling ~25 ms each,
-best round kept. Rows: kernels_user.json; ``--smoke`` runs it on CPU (torch backend, float32,
+32/8 heads, hdim 128 (RING_STEPS). 2 warm-up calls, then 8 rounds of turns filling ~25 ms each
+(the 8 contenders' Williams design, measure.turn_orders: each follows every other once), best
+round kept. Rows: kernels_user.json; ``--smoke`` runs it on CPU (torch backend, float32,
 tiny shapes) to prove the script, not to measure.
 
     python bench/kernels.py --mode user --commit $(git rev-parse --short HEAD) [--out-dir DIR]
@@ -476,14 +477,14 @@ def parse_args():
     p.add_argument("--backend", default=None, help="user mode: ringfa4 backend (default cute, torch with --smoke)")
     p.add_argument("--shapes", default="ring-step,grid", help="user mode: which shape lists to run")
     p.add_argument("--hdims", default=None, help="user mode: head dims of the grid (default 128,64; 16 smoke)")
-    p.add_argument("--rounds", type=int, default=None, help="user mode: timed rounds, best kept (default 3, 1 smoke)")
+    p.add_argument("--rounds", type=int, default=None, help="user mode: timed rounds, best kept (default 8, 1 smoke)")
     p.add_argument("--warmup", type=int, default=None, help="user mode: warm-up calls of each (default 2, 1 smoke)")
     p.add_argument("--turn-ms", type=float, default=None,
                    help="user mode: back-to-back calls fill this per turn (default 25, 1 smoke)")
     args = p.parse_args()
     if args.smoke and args.mode != "user":
         p.error("--smoke runs the user mode only (--mode user)")
-    defaults = (("backend", "cute", "torch"), ("hdims", "128,64", "16"), ("rounds", 3, 1), ("warmup", 2, 1),
+    defaults = (("backend", "cute", "torch"), ("hdims", "128,64", "16"), ("rounds", 8, 1), ("warmup", 2, 1),
                 ("turn_ms", 25.0, 1.0))
     for name, full, smoke in defaults:
         if getattr(args, name) is None:

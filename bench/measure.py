@@ -38,10 +38,11 @@ class Timer:
     load. (Without it, the first timed turn after the short warm-up calls read 4-6% faster than
     every later one on an H100, and with "min" the fn listed first always had it: three copies of
     one backward call read 1.000 / 0.956 / 0.952; bench/RESULTS.md, 2026-11-27.) Then ``rounds``
-    rounds; in each, every fn in turn makes ``iters``
-    back-to-back calls between two CUDA events (perf_counter on CPU), the order rotated by one
-    place per round: a fn timed first in every round read up to 8% off the same fn timed third
-    (bench/RESULTS.md, 2026-11-26 night II), so no fn keeps a place. Each fn's rounds reduce to
+    rounds; in each, every fn in turn makes ``iters`` back-to-back calls between two CUDA events
+    (perf_counter on CPU), in the orders of turn_orders: no fn keeps a place (a fn timed first
+    in every round read up to 8% off the same fn timed third, bench/RESULTS.md, 2026-11-26 night
+    II) nor the fn before it (under a power cap a turn starts at the clocks the previous turn
+    left: bench/RESULTS.md, 2026-11-29 III). Each fn's rounds reduce to
     their "min" (best) or "median": a drift of the clocks over a row (power, heat) reaches every
     contender alike instead of whichever ran during it. With ``turn_ms``, a fn makes as many calls
     per turn as fill that time by its last warm-up call (at least ``iters``), so short kernels are
@@ -79,8 +80,8 @@ class Timer:
                 self._turn(fn, calls)
         self.mallocs = [0] * len(fns)
         ms = [[math.nan] * len(fns) for _ in range(self.rounds)]
-        for r in range(self.rounds):
-            for i in [(r + j) % len(fns) for j in range(len(fns))]:
+        for r, order in enumerate(turn_orders(len(fns), self.rounds)):
+            for i in order:
                 ms[r][i] = self._turn(fns[i], self.calls[i], i)
         if self.group is not None:
             worst = torch.tensor(ms, dtype=torch.float64, device=self.device)
@@ -114,6 +115,21 @@ class Timer:
             dist.barrier(group=self.group)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+
+
+def turn_orders(n, rounds):
+    """The order of n fns' turns in each of ``rounds`` rounds: a Williams design (rounds beyond it
+    repeat it). Over its n rounds (2n where n is odd, the second n mirrored) every fn takes every
+    place equally often and follows every other fn equally often, so that with the best of those
+    rounds no fn is timed only after the same, perhaps heaviest, neighbour, as a rotation by one
+    place per round times it."""
+    base = [0]
+    for j in range(1, n):
+        base.append((j + 1) // 2 if j % 2 else n - j // 2)
+    design = [[(x + r) % n for x in base] for r in range(n)]
+    if n % 2:
+        design += [row[::-1] for row in design]
+    return [design[r % len(design)] for r in range(rounds)]
 
 
 def device_mallocs(device):

@@ -1,6 +1,7 @@
 """The measurement layer (bench/measure.py) and the FLOP count (ringfa4/flops.py) on CPU."""
 import json
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -38,7 +39,7 @@ def test_bad_flop_arguments_are_named(kwargs, message):
         flops.attention(**args)
 
 
-def test_timer_takes_turns_in_a_rotating_order_and_makes_the_asked_calls():
+def test_timer_takes_turns_in_alternating_orders_and_makes_the_asked_calls():
     calls = []
 
     def fn(name, seconds):
@@ -54,6 +55,17 @@ def test_timer_takes_turns_in_a_rotating_order_and_makes_the_asked_calls():
     assert calls == ["short", "long"] + ["short", "short", "long", "long"] + [
         "short", "short", "long", "long"] + ["long", "long", "short", "short"] + ["short", "short", "long", "long"]
     assert 1 <= short < 10 < 20 <= long < 60
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_turn_orders_give_every_fn_each_place_and_each_predecessor_equally_often(n):
+    design = measure.turn_orders(n, n if n % 2 == 0 else 2 * n)
+    assert all(sorted(order) == list(range(n)) for order in design)
+    places = Counter((fn, place) for order in design for place, fn in enumerate(order))
+    pairs = Counter(pair for order in design for pair in zip(order, order[1:]))
+    assert len(places) == n * n and len(set(places.values())) == 1
+    assert len(pairs) == n * (n - 1) and len(set(pairs.values())) <= 1
+    assert measure.turn_orders(n, 3 * len(design)) == design * 3
 
 
 def test_timer_turn_ms_fills_each_turn_by_the_warm_up_estimate():
