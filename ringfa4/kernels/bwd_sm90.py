@@ -41,20 +41,21 @@ one conflict-free 512-byte line and the reduction into global memory is one line
 cannot separate the row pairs a wgmma accumulator writes together.) dq_layout.py holds that
 layout; bwd_postprocess.py puts dQ back in (b, s, h, d).
 
-Deterministic mode orders the dQ reductions: the reduction of KV block j into a dQ tile waits
-on a per-tile counter until the blocks before it in a fixed order have landed (ascending, or
-descending for causal so that no CTA waits for the long-running low blocks). CTAs are launched
-with the KV block as the fastest grid index, in that same order, so a CTA only ever waits on
-CTAs launched before it. Non-causal, in that order all N blocks of a head reach its first dQ
-tile together and block n waits n steps before it starts, and every tile's blocks then arrive
-one step apart, so each step's jitter adds up along the chain. Where the host knows the N CTAs
-fit on the GPU at once (``rotate`` = N), block n instead walks the query blocks from n * M / N
-on, wrapping around, and each tile's order is the order the blocks reach it in: in lockstep no
-CTA waits. Where they do not (``rotate_groups``), the blocks rotate in groups of ``rotate`` that
-do: a batch row's CTAs launch group by group (every kv head's group j before any group j + 1),
-block n of a group of G walks from n * M / G on, and a tile takes every block of group j before
-those of group j + 1, which ran earlier. With documents, rows that are one document walk
-rotated, when the N CTAs fit (the same bits as without).
+Deterministic mode orders the dQ reductions: the reduction of KV block j into a dQ tile waits on a
+per-tile counter until the blocks before it in a fixed order have landed (ascending, or descending
+for causal so that no CTA waits for the long-running low blocks). CTAs are launched with the KV
+block as the fastest grid index, in that same order, so a CTA only ever waits on CTAs launched
+before it. Into an accumulator of the call's own (dq_fresh), a tile's first reduction stores
+instead of adding, so that it needs no zeroing. Non-causal, in that order all N blocks of a head
+reach its first dQ tile together and block n waits n steps before it starts, and every tile's
+blocks then arrive one step apart, so each step's jitter adds up along the chain. Where the host
+knows the N CTAs fit on the GPU at once (``rotate`` = N), block n instead walks the query blocks
+from n * M / N on, wrapping around, and each tile's order is the order the blocks reach it in: in
+lockstep no CTA waits. Where they do not (``rotate_groups``), the blocks rotate in groups of
+``rotate`` that do: a batch row's CTAs launch group by group (every kv head's group j before any
+group j + 1), block n of a group of G walks from n * M / G on, and a tile takes every block of
+group j before those of group j + 1, which ran earlier. With documents, rows that are one document
+walk rotated, when the N CTAs fit (the same bits as without).
 With a dQ warp per part (above; bwd_defaults' choice in deterministic mode), each warp group's
 half of a dQ tile has a counter of its own: staggered, group 0's half arrives a step late, and
 its order then runs a step behind group 1's instead of holding both up (on an H100 1.04x at
@@ -110,7 +111,7 @@ from ringfa4.kernels.dq_layout import (NUM_MMA_WG, QUERY_TILE, REGS_PER_STORE, W
                                        turn_counters)
 from ringfa4.kernels.layout import acc_rows_view, carve, rows_major, seq_major, transpose
 from ringfa4.kernels.mask import AttentionMask
-from ringfa4.kernels.ptx import bulk_reduce_add_f32, convert_to
+from ringfa4.kernels.ptx import bulk_reduce_add_f32, bulk_store, convert_to
 from ringfa4.kernels.softmax import LOG2_E
 from ringfa4.kernels.stats_layout import ROW_GROUP, THREAD_ROWS, stats_position, thread_stats
 from ringfa4.kernels.tile_scheduler import BwdStepScheduler
@@ -285,7 +286,8 @@ class AttentionBackwardSm90:
                  mQueryLo: Optional[cute.Tensor], mQueryHi: Optional[cute.Tensor],
                  mQueryBlocks: Optional[cute.Tensor], mKeyBlocks: Optional[cute.Tensor],
                  mOrder: Optional[cute.Tensor], mSemKV: Optional[cute.Tensor],
-                 softmax_scale: Float32, head_splits: Int32, rotate: Int32, lpt: Int32, stream):
+                 softmax_scale: Float32, head_splits: Int32, rotate: Int32, lpt: Int32,
+                 dq_fresh: Int32, stream):
         """q, dout (b, sq, h, d); k, v (b, sk, hk, d); lse2, delta (b, h, sq rounded up to
         tile_m) fp32, lse2 in log2 units with +inf on rows that see no key; dq_acc (b, h,
         sq tiles * tile_m * head_dim) fp32 in fragment order (dq_layout.py; added into); dk, dv
@@ -303,7 +305,10 @@ class AttentionBackwardSm90:
         the K/V blocks per rotated group (the kv blocks; fewer only with rotate_groups): the
         caller's promise that that many CTAs fit on the GPU at once.
         lpt: nonzero to launch each batch row's CTAs longest walk first (causal, not
-        deterministic, without doc_order; see the module docstring)."""
+        deterministic, without doc_order; see the module docstring).
+        dq_fresh: nonzero when dq_acc holds nothing yet and every dQ tile has a first turn
+        (deterministic, without documents): each tile's first reduction then stores, so the
+        caller need not zero dq_acc."""
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype
                       or mV.element_type != self.dtype or mdO.element_type != self.dtype):
             raise TypeError("q, k, v, dout must all have the kernel's dtype")
@@ -356,7 +361,7 @@ class AttentionBackwardSm90:
             tQ, tK, tV, tdO, tLSE, tDelta, mdQ, tdK, tdV, mSem,
             tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv,
             Float32(softmax_scale), Float32(softmax_scale * LOG2_E), Int32(head_splits), Int32(rotate),
-            Int32(lpt),
+            Int32(lpt), Int32(dq_fresh),
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout, self.sdS_layout,
             self.sdKV_layout, self.mma_sdp, self.mma_dkv, self.mma_dq, Storage,
             mQueryLo, mQueryHi, mQueryBlocks, mKeyBlocks, mOrder, mSemKV,
@@ -371,7 +376,7 @@ class AttentionBackwardSm90:
                tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_delta: cute.CopyAtom,
                tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom,
                softmax_scale: Float32, scale_log2: Float32, head_splits: Int32, rotate: Int32,
-               lpt: Int32,
+               lpt: Int32, dq_fresh: Int32,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sdKV_layout: cute.ComposedLayout,
@@ -477,7 +482,7 @@ class AttentionBackwardSm90:
             for w in cutlass.range_constexpr(len(self.dq_warp_parts)):
                 if warp_idx == 1 + w:
                     self._store_dq(mdQ, sdQ, mSem, mKeyBlocks, n_block, num_n_blocks, batch, rotated,
-                                   self.dq_warp_parts[w],
+                                   dq_fresh, self.dq_warp_parts[w],
                                    BwdStepScheduler(kv_slot * heads, m_block_min, steps_per_head, rotation),
                                    num_steps)
         else:
@@ -562,10 +567,12 @@ class AttentionBackwardSm90:
 
     @cute.jit
     def _store_dq(self, mdQ, sdQ, mSem, mKeyBlocks, n_block, num_n_blocks, batch, rotated,
-                  parts: cutlass.Constexpr, steps: BwdStepScheduler, num_steps):
+                  dq_fresh, parts: cutlass.Constexpr, steps: BwdStepScheduler, num_steps):
         """Lane 0 reduces the dQ ``parts`` (warp groups) of every step into their fragment-order
         blocks of mdQ (bulk copies are tracked per issuing thread, so one lane issues and
-        waits)."""
+        waits). Deterministic with ``dq_fresh``, a tile's first turn stores its part instead,
+        so that the caller skips zeroing the whole accumulator, a pass over as many bytes as
+        the fp32 dQ."""
         lane = cute.arch.lane_idx()
         part_bytes = self.dq_part * Float32.width // 8
         if const_expr(self.rotates):
@@ -591,6 +598,7 @@ class AttentionBackwardSm90:
                     self._hand_back_dq(parts[0])
             if const_expr(self.dq_warps_meet and parts[0] == 1):
                 cute.arch.barrier(barrier_id=BwdBarrier.DQ_MEET, number_of_threads=64)
+            store = Int32(0)
             if const_expr(self.deterministic):
                 # Wait for the KV blocks that add into this dQ tile (or part) before this one.
                 turn = self._dq_turn(mKeyBlocks, n_block, num_n_blocks, batch, m_block, rotated, steps)
@@ -598,6 +606,9 @@ class AttentionBackwardSm90:
                 if const_expr(self.dq_turns > 1):
                     sem_ptr = sem_ptr + parts[0]
                 wait_turn(sem_ptr, turn)
+                if const_expr(not self.has_docs):  # with documents a tile may have no turn at all
+                    if (dq_fresh != 0) & (turn == 0):
+                        store = Int32(1)
             gdQ = mdQ[None, head, batch].iterator + m_block * NUM_MMA_WG * self.dq_part
             for i in cutlass.range_constexpr(len(parts)):
                 wg = parts[i]
@@ -605,8 +616,11 @@ class AttentionBackwardSm90:
                 if const_expr(self.dq_warps_meet and wg == 0):
                     cute.arch.barrier(barrier_id=BwdBarrier.DQ_MEET, number_of_threads=64)
                 if lane == 0:
-                    bulk_reduce_add_f32(gdQ + wg * self.dq_part, sdQ[None, wg].iterator,
-                                         part_bytes)
+                    if store != 0:
+                        bulk_store(gdQ + wg * self.dq_part, sdQ[None, wg].iterator, part_bytes)
+                    else:
+                        bulk_reduce_add_f32(gdQ + wg * self.dq_part, sdQ[None, wg].iterator,
+                                             part_bytes)
                     cute.arch.cp_async_bulk_commit_group()
             if const_expr(self.deterministic):
                 if const_expr(self.dq_warps_meet):

@@ -47,3 +47,16 @@ def bulk_reduce_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_byte
         "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;", "l,r,r",
         side_effects=True,
     )
+
+
+@dsl_user_op
+def bulk_store(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_bytes: int, *, loc=None, ip=None):
+    """global[0:n] = shared[0:n] as one asynchronous bulk copy of the issuing thread; completes
+    like bulk_reduce_add_f32."""
+    inline_asm(
+        None,
+        [gmem_ptr.toint(loc=loc, ip=ip).ir_value(), smem_ptr.toint(loc=loc, ip=ip).ir_value(),
+         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+        "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;", "l,r,r",
+        side_effects=True,
+    )

@@ -503,13 +503,16 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     if min(b, sq, sk) == 0:  # nothing to launch: no query sees a key, every gradient is zero
         return tuple(_added(buf, torch.zeros_like(t)) for buf, t in ((dq, q), (dk, k), (dv, v)))
     dout = tma_ready(dout)
+    # Deterministic without documents, every dQ tile has a first turn; into an accumulator of
+    # this call's own it stores (the kernel's dq_fresh), so the accumulator needs no zeroing.
+    fresh = deterministic and doc_ids is None and not isinstance(dq, QueryRows)
     if isinstance(dq, QueryRows):
         if dq.softmax_scale != scale:
             raise ValueError(f"softmax_scale ({scale}) must be the one of dq's QueryState "
                              f"({dq.softmax_scale})")
         rows = dq
     else:
-        rows = query_rows(dout, out, lse, scale)
+        rows = query_rows(dout, out, lse, scale, zeroed=not fresh)
     tile_m = rows.tile_m
 
     splits = head_splits(b, sq, sk, h, hk, d, causal, deterministic, _sms(q), doc_ids is not None,
@@ -542,7 +545,8 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     compiled(config)(q.detach(), k.detach(), v.detach(), dout, rows.lse2, rows.delta, rows.dq_acc,
                      dk_out, dv_out, sems[0], *docs, sems[1], scale, splits,
                      rotation_group(sk, causal, deterministic, _sms(q), config.rotate_groups),
-                     int(launches_lpt(b, sq, h, d, causal, deterministic, doc_ids is not None)))
+                     int(launches_lpt(b, sq, h, d, causal, deterministic, doc_ids is not None)),
+                     int(fresh))
 
     if rows is not dq:  # dq <- (or +=) the accumulator; a dq it cannot address gets a fresh one added
         add = dq is not None and tma_compatible(dq)

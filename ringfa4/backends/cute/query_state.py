@@ -27,16 +27,17 @@ def padded_rows(s, tile_m):
     return (s + tile_m - 1) // tile_m * tile_m
 
 
-def query_rows(dout, out, lse, softmax_scale):
-    """Preprocessed rows of (dout, out, lse) with a zeroed dQ accumulator for the backward's
-    query tiles (configs.query_tile)."""
+def query_rows(dout, out, lse, softmax_scale, zeroed=True):
+    """Preprocessed rows of (dout, out, lse) with a dQ accumulator for the backward's query
+    tiles (configs.query_tile): zeroed, or (``zeroed=False``) uninitialised, for a call whose
+    first reduction into each tile stores (the deterministic kernel's dq_fresh)."""
     b, s, h, d = out.shape
     tile_m = query_tile(d)
     padded = padded_rows(s, tile_m)
     dev = out.device
     lse2, delta = torch.empty((2, b, h, padded), dtype=torch.float32, device=dev)  # one allocation
-    rows = QueryRows(tile_m, torch.zeros((b, h, padded * d), dtype=torch.float32, device=dev), lse2, delta,
-                     float(softmax_scale))
+    acc = (torch.zeros if zeroed else torch.empty)((b, h, padded * d), dtype=torch.float32, device=dev)
+    rows = QueryRows(tile_m, acc, lse2, delta, float(softmax_scale))
     compiled(BwdPreprocessConfig(DTYPE_NAMES[out.dtype], d))(
         tma_ready(out), tma_ready(dout), rows_ready(lse.detach()), rows.lse2, rows.delta,
         rows.softmax_scale)
