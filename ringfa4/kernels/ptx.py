@@ -35,28 +35,30 @@ def convert_to(src: cute.Tensor, dst: cute.Tensor):
         dst_i32[i] = cvt_pair(src[2 * i], src[2 * i + 1], to_bf16)
 
 
+def _bulk_to_global(instruction: str, gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_bytes: int,
+                    loc, ip):
+    """One asynchronous bulk copy ``instruction`` from shared memory to global memory, issued
+    by the calling thread into its bulk group."""
+    inline_asm(
+        None,
+        [gmem_ptr.toint(loc=loc, ip=ip).ir_value(), smem_ptr.toint(loc=loc, ip=ip).ir_value(),
+         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+        f"{instruction} [$0], [$1], $2;", "l,r,r",
+        side_effects=True,
+    )
+
+
 @dsl_user_op
 def bulk_reduce_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_bytes: int, *,
                         loc=None, ip=None):
     """global[0:n] += shared[0:n] (fp32) as one asynchronous bulk copy of the issuing thread;
     completes with cp.async.bulk.commit_group / wait_group."""
-    inline_asm(
-        None,
-        [gmem_ptr.toint(loc=loc, ip=ip).ir_value(), smem_ptr.toint(loc=loc, ip=ip).ir_value(),
-         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
-        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;", "l,r,r",
-        side_effects=True,
-    )
+    _bulk_to_global("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", gmem_ptr, smem_ptr,
+                    num_bytes, loc, ip)
 
 
 @dsl_user_op
 def bulk_store(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_bytes: int, *, loc=None, ip=None):
     """global[0:n] = shared[0:n] as one asynchronous bulk copy of the issuing thread; completes
     like bulk_reduce_add_f32."""
-    inline_asm(
-        None,
-        [gmem_ptr.toint(loc=loc, ip=ip).ir_value(), smem_ptr.toint(loc=loc, ip=ip).ir_value(),
-         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
-        "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;", "l,r,r",
-        side_effects=True,
-    )
+    _bulk_to_global("cp.async.bulk.global.shared::cta.bulk_group", gmem_ptr, smem_ptr, num_bytes, loc, ip)
