@@ -46,7 +46,8 @@ per-tile counter until the blocks before it in a fixed order have landed (ascend
 for causal so that no CTA waits for the long-running low blocks). CTAs are launched with the KV
 block as the fastest grid index, in that same order, so a CTA only ever waits on CTAs launched
 before it. Into an accumulator of the call's own (dq_fresh), a tile's first reduction stores
-instead of adding, so that it needs no zeroing. Non-causal, in that order all N blocks of a head
+instead of adding, so that it needs no zeroing; likewise the first of the head_splits shares of a
+(K/V block, kv head) stores its dK and dV into fp32 sums of the call's own (dkv_fresh). Non-causal, in that order all N blocks of a head
 reach its first dQ tile together and block n waits n steps before it starts, and every tile's
 blocks then arrive one step apart, so each step's jitter adds up along the chain. Where the host
 knows the N CTAs fit on the GPU at once (``rotate`` = N), block n instead walks the query blocks
@@ -176,6 +177,9 @@ class AttentionBackwardSm90:
         self.deterministic = deterministic
         self.dkv_dtype = dkv_dtype
         self.has_docs = has_docs
+        # The first share stores into fp32 dK/dV of the call's own (dkv_fresh): deterministic,
+        # whose shares add in a fixed order, and without documents, like dq_fresh.
+        self.first_share_stores = deterministic and dkv_dtype == Float32 and not has_docs
         self.doc_order = doc_order
         # The caller's promise that seqlen_k is a whole number of K/V blocks: not causal, the
         # kernel then has no mask code, whose selects ptxas issues at every step, needed or not
@@ -287,7 +291,7 @@ class AttentionBackwardSm90:
                  mQueryBlocks: Optional[cute.Tensor], mKeyBlocks: Optional[cute.Tensor],
                  mOrder: Optional[cute.Tensor], mSemKV: Optional[cute.Tensor],
                  softmax_scale: Float32, head_splits: Int32, rotate: Int32, lpt: Int32,
-                 dq_fresh: Int32, stream):
+                 dq_fresh: Int32, dkv_fresh: Int32, stream):
         """q, dout (b, sq, h, d); k, v (b, sk, hk, d); lse2, delta (b, h, sq rounded up to
         tile_m) fp32, lse2 in log2 units with +inf on rows that see no key; dq_acc (b, h,
         sq tiles * tile_m * head_dim) fp32 in fragment order (dq_layout.py; added into); dk, dv
@@ -308,7 +312,9 @@ class AttentionBackwardSm90:
         deterministic, without doc_order; see the module docstring).
         dq_fresh: nonzero when dq_acc holds nothing yet and every dQ tile has a first turn
         (deterministic, without documents): each tile's first reduction then stores, so the
-        caller need not zero dq_acc."""
+        caller need not zero dq_acc.
+        dkv_fresh: the same for fp32 dk, dv (deterministic, without documents): the first share
+        of each (K/V block, kv head) stores, so the caller need not zero them."""
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype
                       or mV.element_type != self.dtype or mdO.element_type != self.dtype):
             raise TypeError("q, k, v, dout must all have the kernel's dtype")
@@ -347,6 +353,11 @@ class AttentionBackwardSm90:
                else cpasync.CopyReduceBulkTensorTileS2GOp())
         tma_dk, tdK = cpasync.make_tiled_tma_atom(s2g, mdK, self.sdKV_layout, (self.tile_n, d))
         tma_dv, tdV = cpasync.make_tiled_tma_atom(s2g, mdV, self.sdKV_layout, (self.tile_n, d))
+        tma_dk_store, tma_dv_store = None, None
+        if const_expr(self.first_share_stores):
+            store = cpasync.CopyBulkTensorTileS2GOp()
+            tma_dk_store, _ = cpasync.make_tiled_tma_atom(store, mdK, self.sdKV_layout, (self.tile_n, d))
+            tma_dv_store, _ = cpasync.make_tiled_tma_atom(store, mdV, self.sdKV_layout, (self.tile_n, d))
 
         tile_bytes = self.dtype.width // 8 * d
         self.bytes_q = self.tile_m * tile_bytes + self.tile_m * 4
@@ -361,10 +372,10 @@ class AttentionBackwardSm90:
             tQ, tK, tV, tdO, tLSE, tDelta, mdQ, tdK, tdV, mSem,
             tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv,
             Float32(softmax_scale), Float32(softmax_scale * LOG2_E), Int32(head_splits), Int32(rotate),
-            Int32(lpt), Int32(dq_fresh),
+            Int32(lpt), Int32(dq_fresh), Int32(dkv_fresh),
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout, self.sdS_layout,
             self.sdKV_layout, self.mma_sdp, self.mma_dkv, self.mma_dq, Storage,
-            mQueryLo, mQueryHi, mQueryBlocks, mKeyBlocks, mOrder, mSemKV,
+            mQueryLo, mQueryHi, mQueryBlocks, mKeyBlocks, mOrder, mSemKV, tma_dk_store, tma_dv_store,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device side
@@ -376,7 +387,7 @@ class AttentionBackwardSm90:
                tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_delta: cute.CopyAtom,
                tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom,
                softmax_scale: Float32, scale_log2: Float32, head_splits: Int32, rotate: Int32,
-               lpt: Int32, dq_fresh: Int32,
+               lpt: Int32, dq_fresh: Int32, dkv_fresh: Int32,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sdKV_layout: cute.ComposedLayout,
@@ -386,7 +397,8 @@ class AttentionBackwardSm90:
                # it stays the one it had before they existed.
                mQueryLo: Optional[cute.Tensor], mQueryHi: Optional[cute.Tensor],
                mQueryBlocks: Optional[cute.Tensor], mKeyBlocks: Optional[cute.Tensor],
-               mOrder: Optional[cute.Tensor], mSemKV: Optional[cute.Tensor]):
+               mOrder: Optional[cute.Tensor], mSemKV: Optional[cute.Tensor],
+               tma_dk_store: Optional[cute.CopyAtom], tma_dv_store: Optional[cute.CopyAtom]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_slot, batch = cute.arch.block_idx()
@@ -422,6 +434,9 @@ class AttentionBackwardSm90:
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(self.first_share_stores):
+                for atom in (tma_dk_store, tma_dv_store):
+                    cpasync.prefetch_descriptor(atom)
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(Storage)
@@ -494,8 +509,9 @@ class AttentionBackwardSm90:
                 BwdStepScheduler(kv_slot * heads, m_block_min, steps_per_head, rotation),
                 num_steps)
             self._epilogue_dkv(acc_dK, acc_dV, tiles, sdKV_layout, tdK, tdV, tma_dk, tma_dv,
-                               mma_dkv, tidx - WG_THREADS, n_block, kv_head, batch, mSemKV,
-                               kv_slot - kv_head * head_splits, head_splits)
+                               tma_dk_store, tma_dv_store, mma_dkv, tidx - WG_THREADS, n_block,
+                               kv_head, batch, mSemKV, kv_slot - kv_head * head_splits, head_splits,
+                               dkv_fresh)
 
     @cute.jit
     def _pipelines(self, st, warp_idx):
@@ -982,12 +998,15 @@ class AttentionBackwardSm90:
 
     @cute.jit
     def _epilogue_dkv(self, acc_dK, acc_dV, tiles, sdKV_layout: cute.ComposedLayout, tdK, tdV,
-                      tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, mma_dkv: cute.TiledMma,
-                      tidx, n_block, kv_head, batch, mSemKV: Optional[cute.Tensor], share, head_splits):
+                      tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom,
+                      tma_dk_store: Optional[cute.CopyAtom], tma_dv_store: Optional[cute.CopyAtom],
+                      mma_dkv: cute.TiledMma, tidx, n_block, kv_head, batch,
+                      mSemKV: Optional[cute.Tensor], share, head_splits, dkv_fresh):
         """Stage dK and dV in the Q/dO/K/V tiles and store (or add, for fp32 buffers) them with
         TMA; the tensor map clips rows past seqlen_k. Deterministic, the head_splits shares of
         one (K/V block, kv head) add in the order of their query heads, so that the sums' bits do
-        not depend on which share finishes first."""
+        not depend on which share finishes first; with dkv_fresh the first of them stores
+        (tma_dk_store, tma_dv_store), into sums nobody zeroed."""
         # Both warp groups are past their last product (each dQ product reads all of K).
         mma_threads = NUM_MMA_WG * WG_THREADS
         cute.arch.barrier(barrier_id=BwdBarrier.EPILOGUE, number_of_threads=mma_threads)
@@ -1011,12 +1030,22 @@ class AttentionBackwardSm90:
                     wait_turn(mSemKV[None, kv_head, batch].iterator + n_block, share)
                     cute.arch.sync_warp()
             one = cute.make_layout(1)
-            for tma, gOut, sOut in ((tma_dv, tdV, sdV), (tma_dk, tdK, sdK)):
+            first = Int32(0)
+            if const_expr(self.first_share_stores):
+                if (dkv_fresh != 0) & (share == 0):
+                    first = Int32(1)
+            for tma, tma_store, gOut, sOut in ((tma_dv, tma_dv_store, tdV, sdV), (tma_dk, tma_dk_store, tdK, sdK)):
                 g = cute.local_tile(gOut[None, None, kv_head, batch], (self.tile_n, self.head_dim),
                                     (n_block, 0))
                 s_t, g_t = cpasync.tma_partition(tma, 0, one, cute.group_modes(sOut, 0, 2),
                                                  cute.group_modes(g, 0, 2))
-                cute.copy(tma, s_t, g_t)
+                if const_expr(self.first_share_stores):
+                    if first != 0:
+                        cute.copy(tma_store, s_t, g_t)
+                    else:
+                        cute.copy(tma, s_t, g_t)
+                else:
+                    cute.copy(tma, s_t, g_t)
             cute.arch.cp_async_bulk_commit_group()
             # Shared memory must outlive the reads of the copies (and, ordered, the next share
             # adds only once they have landed).

@@ -105,9 +105,11 @@ def test_query_heads_split_over_ctas_when_kv_blocks_are_few(b, s, h, hk, d, caus
                                                             monkeypatch):
     """Few K/V blocks (or, deterministic, long causal keys): the query heads of a kv head are
     shared by several CTAs (asserted, so the case cannot drift out of the test) whose dK/dV sum
-    in fp32; deterministic runs repeat bit for bit, given fp32 buffers receive the sum added.
-    ``sms``: the SM count the backend is told, so that a small batch makes a grid as deep as
-    deterministic mode's two query heads per CTA need (head_splits 2, tests/test_kernels_compile.py)."""
+    in fp32; deterministic runs repeat bit for bit, over freed memory filled with NaN (the first
+    share of each K/V block stores into sums nobody zeroed: dkv_fresh), and given fp32 buffers
+    receive the sum added. ``sms``: the SM count the backend is told, so that a small batch makes
+    a grid as deep as deterministic mode's two query heads per CTA need (head_splits 2,
+    tests/test_kernels_compile.py)."""
     if sms is not None:
         monkeypatch.setattr(cute_backend.interface, "_sms", lambda t: sms)
     splits = cute_backend.interface.head_splits(
@@ -116,7 +118,8 @@ def test_query_heads_split_over_ctas_when_kv_blocks_are_few(b, s, h, hk, d, caus
     scale = d ** -0.5
     q, k, v, dout = _inputs(b, s, s, h, hk, d, torch.bfloat16, seed=s + h)
     out, lse, g64, glow = _references(q, k, v, dout, causal, scale)
-    _poison_allocator(q, k, v, q.float())
+    like = (q, k, v, q.float(), torch.stack((k, v)).float())  # the shares' sums: (2, b, s, hk, d) fp32
+    _poison_allocator(*like)
     first = cute_backend.backward(dout, q, k, v, out, lse, causal, scale, deterministic=deterministic)
     assert len({t.untyped_storage().data_ptr() for t in first}) == 3, "dq, dk, dv must not share storage"
     for name, got, r64, rlow in zip("dq dk dv".split(), first, g64, glow):
@@ -129,6 +132,7 @@ def test_query_heads_split_over_ctas_when_kv_blocks_are_few(b, s, h, hk, d, caus
         assert got is buf, f"{name}: the given buffer must be returned"
         _assert_close(name, buf - i, r64, rlow)
     if deterministic:
+        _poison_allocator(*like)
         for name, a, c in zip("dq dk dv".split(), first, cute_backend.backward(
                 dout, q, k, v, out, lse, causal, scale, deterministic=True)):
             assert torch.equal(a, c), f"{name} differs between two deterministic runs"

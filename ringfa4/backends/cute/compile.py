@@ -79,7 +79,7 @@ def _bwd_args(cfg: BwdSm90Config):
         order = _fake(Int32, (b, cute.sym_int()), assumed_align=4) if cfg.doc_order else None
         docs = (*(_fake(Int32, (b, sk), assumed_align=4) for _ in range(2)), *blocks, order)
     return kernel, (q, k, v, do, lse2, delta, dq_acc, dk, dv, sem, *docs, sem_kv, Float32(1.0), Int32(1), Int32(0),
-                    Int32(0), Int32(0), _stream())
+                    Int32(0), Int32(0), Int32(0), _stream())
 
 
 def _preprocess_args(cfg: BwdPreprocessConfig):

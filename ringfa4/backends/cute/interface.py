@@ -503,28 +503,30 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     if min(b, sq, sk) == 0:  # nothing to launch: no query sees a key, every gradient is zero
         return tuple(_added(buf, torch.zeros_like(t)) for buf, t in ((dq, q), (dk, k), (dv, v)))
     dout = tma_ready(dout)
-    # Deterministic without documents, every dQ tile has a first turn; into an accumulator of
-    # this call's own it stores (the kernel's dq_fresh), so the accumulator needs no zeroing.
-    fresh = deterministic and doc_ids is None and not isinstance(dq, QueryRows)
+    # Deterministic without documents, every dQ tile and every (K/V block, kv head) has a first
+    # turn: into buffers of this call's own it stores (the kernel's dq_fresh and dkv_fresh), so
+    # they need no zeroing.
+    first_turns = deterministic and doc_ids is None
+    dq_fresh = first_turns and not isinstance(dq, QueryRows)
     if isinstance(dq, QueryRows):
         if dq.softmax_scale != scale:
             raise ValueError(f"softmax_scale ({scale}) must be the one of dq's QueryState "
                              f"({dq.softmax_scale})")
         rows = dq
     else:
-        rows = query_rows(dout, out, lse, scale, zeroed=not fresh)
+        rows = query_rows(dout, out, lse, scale, zeroed=not dq_fresh)
     tile_m = rows.tile_m
 
     splits = head_splits(b, sq, sk, h, hk, d, causal, deterministic, _sms(q), doc_ids is not None,
                          getattr(doc_ids, "longest", None))
     # fp32 dk/dv the kernel can address are added into by the kernel; else it writes new ones,
-    # or, with split heads, sums them into zeroed fp32 ones (deterministic: in a fixed order).
+    # or, with split heads, sums them into fp32 ones (deterministic: in a fixed order).
     given_fp32 = all(t is not None and t.dtype == torch.float32 and tma_compatible(t) for t in (dk, dv))
-    sums = None  # the split shares' fp32 dK and dV, one allocation: one fill
+    sums = None  # the split shares' fp32 dK and dV, one allocation
     if given_fp32:
         dk_out, dv_out = dk, dv
     elif splits > 1:
-        sums = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+        sums = (torch.empty if first_turns else torch.zeros)((2, *k.shape), dtype=torch.float32, device=k.device)
         dk_out, dv_out = sums.unbind(0)
     else:
         dk_out, dv_out = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
@@ -546,7 +548,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
                      dk_out, dv_out, sems[0], *docs, sems[1], scale, splits,
                      rotation_group(sk, causal, deterministic, _sms(q), config.rotate_groups),
                      int(launches_lpt(b, sq, h, d, causal, deterministic, doc_ids is not None)),
-                     int(fresh))
+                     int(dq_fresh), int(first_turns and sums is not None))
 
     if rows is not dq:  # dq <- (or +=) the accumulator; a dq it cannot address gets a fresh one added
         add = dq is not None and tma_compatible(dq)
