@@ -47,16 +47,16 @@ for causal so that no CTA waits for the long-running low blocks). CTAs are launc
 block as the fastest grid index, in that same order, so a CTA only ever waits on CTAs launched
 before it. Into an accumulator of the call's own (dq_fresh), a tile's first reduction stores
 instead of adding, so that it needs no zeroing; likewise the first of the head_splits shares of a
-(K/V block, kv head) stores its dK and dV into fp32 sums of the call's own (dkv_fresh). Non-causal, in that order all N blocks of a head
-reach its first dQ tile together and block n waits n steps before it starts, and every tile's
-blocks then arrive one step apart, so each step's jitter adds up along the chain. Where the host
-knows the N CTAs fit on the GPU at once (``rotate`` = N), block n instead walks the query blocks
-from n * M / N on, wrapping around, and each tile's order is the order the blocks reach it in: in
-lockstep no CTA waits. Where they do not (``rotate_groups``), the blocks rotate in groups of
-``rotate`` that do: a batch row's CTAs launch group by group (every kv head's group j before any
-group j + 1), block n of a group of G walks from n * M / G on, and a tile takes every block of
-group j before those of group j + 1, which ran earlier. With documents, rows that are one document
-walk rotated, when the N CTAs fit (the same bits as without).
+(K/V block, kv head) stores its dK and dV into fp32 sums of the call's own (dkv_fresh). Non-causal,
+in that order all N blocks of a head reach its first dQ tile together and block n waits n steps
+before it starts, and every tile's blocks then arrive one step apart, so each step's jitter adds up
+along the chain. Where the host knows the N CTAs fit on the GPU at once (``rotate`` = N), block n
+instead walks the query blocks from n * M / N on, wrapping around, and each tile's order is the
+order the blocks reach it in: in lockstep no CTA waits. Where they do not (``rotate_groups``), the
+blocks rotate in groups of ``rotate`` that do: a batch row's CTAs launch group by group (every kv
+head's group j before any group j + 1), block n of a group of G walks from n * M / G on, and a tile
+takes every block of group j before those of group j + 1, which ran earlier. With documents, rows
+that are one document walk rotated, when the N CTAs fit (the same bits as without).
 With a dQ warp per part (above; bwd_defaults' choice in deterministic mode), each warp group's
 half of a dQ tile has a counter of its own: staggered, group 0's half arrives a step late, and
 its order then runs a step behind group 1's instead of holding both up (on an H100 1.04x at
@@ -1034,7 +1034,8 @@ class AttentionBackwardSm90:
             if const_expr(self.first_share_stores):
                 if (dkv_fresh != 0) & (share == 0):
                     first = Int32(1)
-            for tma, tma_store, gOut, sOut in ((tma_dv, tma_dv_store, tdV, sdV), (tma_dk, tma_dk_store, tdK, sdK)):
+            for tma, tma_store, gOut, sOut in ((tma_dv, tma_dv_store, tdV, sdV),
+                                               (tma_dk, tma_dk_store, tdK, sdK)):
                 g = cute.local_tile(gOut[None, None, kv_head, batch], (self.tile_n, self.head_dim),
                                     (n_block, 0))
                 s_t, g_t = cpasync.tma_partition(tma, 0, one, cute.group_modes(sOut, 0, 2),
