@@ -286,13 +286,14 @@ class AttentionBackwardSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 1]
+            # In the padding before lse: head_dim 64 has no shared memory to spare.
+            if cluster:  # every share staged, every share read (_epilogue_shares)
+                mbar_shares: cute.struct.MemRange[cutlass.Int64, 2]
             lse: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
             delta: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
             tiles: cute.struct.Align[cute.struct.MemRange[self.dtype, tile_elems], 1024]
             ds: cute.struct.Align[cute.struct.MemRange[self.dtype, d_s], 1024]
             dq: cute.struct.Align[cute.struct.MemRange[Float32, self.dq_part * NUM_MMA_WG], 1024]
-            if cluster:  # every share staged, every share read (_epilogue_shares)
-                mbar_shares: cute.struct.MemRange[cutlass.Int64, 2]
 
         return Storage
 

@@ -220,9 +220,12 @@ def query_tile(head_dim: int) -> int:
     return 128 if head_dim == 64 else 64
 
 
-# The cluster sizes that sum the deterministic causal backward's dK/dV shares
-# (BwdSm90Config.cluster_shares); other head_splits add into fp32 sums.
-CLUSTER_SHARES = (2, 4)
+# The head_splits whose shares sum their dK/dV in a cluster in the deterministic causal
+# backward (BwdSm90Config.cluster_shares); other splits add into fp32 sums. Pairs ran 1.03-1.04x
+# the fp32 sums at b 16 x 2k and b 8 x 4k, hdim 128, 32/8 heads; clusters of 4 level at 1 x 2k and
+# 0.93x / 0.84x at 1 x 4k / 1 x 32k, where SMs idle until four of one GPC are free (H200,
+# bench/RESULTS.md, "dK/dV shares summed in a cluster").
+CLUSTER_SHARES = (2,)
 
 
 def bwd_defaults(dtype: str, head_dim: int, causal: bool, deterministic: bool, dkv_fp32: bool,
