@@ -383,7 +383,8 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
     fastest split but at 2k, RESULTS 2026-11-26 night).
 
     Deterministic mode orders each dQ tile's reductions over the K/V blocks, and the shares'
-    dK/dV reduce-adds by query head. Causal, a group of 4 heads per CTA ran at 0.69-0.73x of the
+    dK/dV reduce-adds by query head (causal pairs written in dtype sum in a cluster instead,
+    CLUSTER_SHARES). Causal, a group of 4 heads per CTA ran at 0.69-0.73x of the
     default at 2k-4k keys and 0.57-0.64x at 8k-32k with hdim 128 (H100, 32/8 heads), against
     0.84-0.95x with one head per CTA; with hdim 64 unsplit stays ahead up to 8k (0.94-0.99x against
     0.67-0.96x) and falls behind from 16k (0.89x against 0.92x; 0.66x against 0.96x at 32k). So
