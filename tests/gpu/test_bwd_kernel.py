@@ -138,6 +138,27 @@ def test_query_heads_split_over_ctas_when_kv_blocks_are_few(b, s, h, hk, d, caus
             assert torch.equal(a, c), f"{name} differs between two deterministic runs"
 
 
+@pytest.mark.parametrize("b,s,h,hk,d", [(2, 2000, 16, 8, 128), (1, 7000, 4, 2, 64), (1, 5000, 16, 8, 64)])
+def test_cluster_shares_give_the_bits_of_the_ordered_fp32_sums(b, s, h, hk, d, monkeypatch):
+    """Deterministic causal split heads written in dtype: the head_splits CTAs of a (K/V block,
+    kv head) sum their dK/dV shares within a cluster (BwdSm90Config.cluster_shares), in the
+    order the fp32 reduce-adds take, so the bits equal those of the fp32 sums cast afterwards;
+    over memory filled with NaN, so every element must be written (the last block's rows past
+    seqlen_k are not)."""
+    splits = cute_backend.interface.head_splits(
+        b, s, s, h, hk, d, True, True, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert splits in cute_backend.interface.CLUSTER_SHARES
+    q, k, v, dout = _inputs(b, s, s, h, hk, d, torch.bfloat16, seed=s + d)
+    out, lse, g64, glow = _references(q, k, v, dout, True, d ** -0.5)
+    _poison_allocator(q, k, v, q.float())
+    clustered = cute_backend.backward(dout, q, k, v, out, lse, True, None, deterministic=True)
+    monkeypatch.setattr(cute_backend.interface, "CLUSTER_SHARES", ())
+    summed = cute_backend.backward(dout, q, k, v, out, lse, True, None, deterministic=True)
+    for name, a, c, r64, rlow in zip("dq dk dv".split(), clustered, summed, g64, glow):
+        assert torch.equal(a, c), f"{name}: the cluster's sum differs from the fp32 sums'"
+        _assert_close(name, a, r64, rlow)
+
+
 @pytest.mark.parametrize("staggered,dq_warp_per_part,dq_warps_meet",
                          [(False, False, False), (True, False, False), (True, True, False), (True, True, True)],
                          ids=["lockstep", "staggered", "staggered-dqwarp2", "staggered-dqwarp2-meet"])

@@ -61,14 +61,15 @@ def _bwd_args(cfg: BwdSm90Config):
     kernel = AttentionBackwardSm90(dt, cfg.head_dim, cfg.tile_m, cfg.causal, cfg.deterministic,
                                    Float32 if cfg.dkv_fp32 else dt, cfg.has_docs, cfg.doc_order, cfg.staggered,
                                    cfg.dq_warp_per_part, cfg.whole_keys, cfg.dq_warps_meet,
-                                   cfg.rotate_groups)
+                                   cfg.rotate_groups, cfg.cluster_shares)
     b, sq, sk, h, hk, sq_pad, n_m, dq_len, n_n, n_turns = (cute.sym_int() for _ in range(10))
     d = cfg.head_dim
     dq_acc = _fake(Float32, (b, h, dq_len), align_elems=4)  # fragment order
     # sem: the dQ tiles' turn counters, one per tile or per warp group's part (dq_layout.turn_counters)
     sem, sem_kv = ((cute.runtime.make_fake_tensor(Int32, (b, heads, n), stride=(cute.sym_int64(), n, 1),
-                                                  assumed_align=4) if cfg.deterministic else None)
-                   for heads, n in ((h, n_turns), (hk, n_n)))
+                                                  assumed_align=4) if ordered else None)
+                   for heads, n, ordered in ((h, n_turns, cfg.deterministic),
+                                             (hk, n_n, cfg.deterministic and cfg.cluster_shares == 1)))
     q, k, v, do = (_bshd(dt, b, s, n, d) for s, n in ((sq, h), (sk, hk), (sk, hk), (sq, h)))
     lse2, delta = (_fake(Float32, (b, h, sq_pad), align_elems=4) for _ in range(2))
     dk, dv = (_bshd(Float32 if cfg.dkv_fp32 else dt, b, sk, hk, d) for _ in range(2))

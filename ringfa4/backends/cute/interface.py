@@ -15,7 +15,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ringfa4.backends import DqBuffer
-from ringfa4.backends.cute.configs import bwd_defaults, fwd_defaults, query_tile
+from ringfa4.backends.cute.configs import CLUSTER_SHARES, bwd_defaults, fwd_defaults, query_tile
 from ringfa4.backends.cute.launch import (capability, compiled, device_index, dq_turn_counters, dsl_installed,
                                           key_tile, num_sms)
 from ringfa4.backends.cute.query_state import (QueryRows, QueryState, padded_rows, postprocess_dq,
@@ -383,7 +383,8 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
     fastest split but at 2k, RESULTS 2026-11-26 night).
 
     Deterministic mode orders each dQ tile's reductions over the K/V blocks, and the shares'
-    dK/dV reduce-adds by query head. Causal, a group of 4 heads per CTA ran at 0.69-0.73x of the
+    dK/dV reduce-adds by query head (causal pairs written in dtype sum in a cluster instead,
+    CLUSTER_SHARES). Causal, a group of 4 heads per CTA ran at 0.69-0.73x of the
     default at 2k-4k keys and 0.57-0.64x at 8k-32k with hdim 128 (H100, 32/8 heads), against
     0.84-0.95x with one head per CTA; with hdim 64 unsplit stays ahead up to 8k (0.94-0.99x against
     0.67-0.96x) and falls behind from 16k (0.89x against 0.92x; 0.66x against 0.96x at 32k). So
@@ -520,12 +521,15 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     splits = head_splits(b, sq, sk, h, hk, d, causal, deterministic, _sms(q), doc_ids is not None,
                          getattr(doc_ids, "longest", None))
     # fp32 dk/dv the kernel can address are added into by the kernel; else it writes new ones,
-    # or, with split heads, sums them into fp32 ones (deterministic: in a fixed order).
+    # or, with split heads, sums them into fp32 ones (deterministic: in a fixed order), or,
+    # deterministic and causal, in clusters of the shares (BwdSm90Config.cluster_shares).
     given_fp32 = all(t is not None and t.dtype == torch.float32 and tma_compatible(t) for t in (dk, dv))
+    cluster = (deterministic and causal and doc_ids is None and splits in CLUSTER_SHARES
+               and not given_fp32)
     sums = None  # the split shares' fp32 dK and dV, one allocation
     if given_fp32:
         dk_out, dv_out = dk, dv
-    elif splits > 1:
+    elif splits > 1 and not cluster:
         sums = (torch.empty if first_turns else torch.zeros)((2, *k.shape), dtype=torch.float32, device=k.device)
         dk_out, dv_out = sums.unbind(0)
     else:
@@ -534,12 +538,14 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
                           dk_out.dtype == torch.float32, doc_ids is not None, sk % key_tile() == 0, sk)
     if doc_order is not None:
         config = replace(config, doc_order=doc_order)
+    if cluster:
+        config = replace(config, cluster_shares=splits)
     sems = (None, None)
     if deterministic:  # turn counters ordering the dQ tiles' and the dK/dV blocks' reductions
         n_q = padded_rows(sq, tile_m) // tile_m * dq_turn_counters(config.dq_warp_per_part)  # per query head
-        n_n = -(-sk // key_tile())
+        n_n = 0 if cluster else -(-sk // key_tile())
         counters = torch.zeros(b * (h * n_q + hk * n_n), dtype=torch.int32, device=q.device)
-        sems = (counters[:b * h * n_q].view(b, h, n_q), counters[b * h * n_q:].view(b, hk, n_n))
+        sems = (counters[:b * h * n_q].view(b, h, n_q), None if cluster else counters[b * h * n_q:].view(b, hk, n_n))
     docs = (None,) * 5
     if doc_ids is not None:
         order = launch_order(doc_ids, causal, tile_m, hk * splits) if config.doc_order else None
