@@ -323,7 +323,8 @@ class AttentionBackwardSm90:
         visible_blocks; with doc_order, order (b, kv blocks * kv heads * head_splits) the CTAs'
         launch order, each kv_slot * kv blocks + block (launch_order). head_splits:
         CTAs per (K/V block, kv head), each taking an equal share of its query heads; more than
-        1 needs Float32 dk/dv: the shares reduce-add into their kv head's.
+        1 needs Float32 dk/dv, into which the shares reduce-add, or cluster_shares equal to it,
+        whose cluster writes their sum.
         rotate: nonzero for rotated walks (deterministic, not causal; see the module docstring),
         the K/V blocks per rotated group (the kv blocks; fewer only with rotate_groups): the
         caller's promise that that many CTAs fit on the GPU at once.

@@ -545,7 +545,8 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         n_q = padded_rows(sq, tile_m) // tile_m * dq_turn_counters(config.dq_warp_per_part)  # per query head
         n_n = 0 if cluster else -(-sk // key_tile())
         counters = torch.zeros(b * (h * n_q + hk * n_n), dtype=torch.int32, device=q.device)
-        sems = (counters[:b * h * n_q].view(b, h, n_q), None if cluster else counters[b * h * n_q:].view(b, hk, n_n))
+        sems = (counters[:b * h * n_q].view(b, h, n_q),
+                None if cluster else counters[b * h * n_q:].view(b, hk, n_n))
     docs = (None,) * 5
     if doc_ids is not None:
         order = launch_order(doc_ids, causal, tile_m, hk * splits) if config.doc_order else None
