@@ -20,9 +20,9 @@ pytestmark = pytest.mark.gpu
 
 if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
     import ringfa4.backends.cute as cute_backend
-    from ringfa4.backends.cute.configs import bwd_defaults
+    from ringfa4.backends.cute.configs import bwd_defaults, query_tile
     from ringfa4.backends.cute.launch import key_tile
-    from ringfa4.backends.cute.query_state import QueryRows, QueryState
+    from ringfa4.backends.cute.query_state import QueryRows, QueryState, padded_rows, query_rows
 else:
     pytestmark = [pytest.mark.gpu, pytest.mark.skip(reason="needs a Hopper (sm_90) GPU")]
 
@@ -336,6 +336,30 @@ def test_query_state_sums_calls_over_row_chunks_like_one_backward(deterministic)
     _assert_close("dq", dq, g64[0], glow[0])
     _assert_close("dk", dk, g64[1], glow[1])
     _assert_close("dv", dv, g64[2], glow[2])
+
+
+@pytest.mark.parametrize("b,s,h,hk,d", [(2, 1000, 4, 2, 128), (1, 300, 6, 3, 64)])
+def test_preprocess_zeroes_the_accumulator_and_sums_it_allocates(b, s, h, hk, d):
+    """query_rows' one allocation (lse2, delta, dQ accumulator, dK/dV sums) taken from a block
+    of NaN: the preprocess leaves no element of the accumulator or the sums unzeroed, and
+    without zeroing (dq_fresh calls) the NaN is still there, so the poison did land."""
+    q, k, v, dout = _inputs(b, s, s, h, hk, d, torch.bfloat16, seed=21)
+    out, lse = cute_backend.forward(q, k, v, False, None)
+    padded = padded_rows(s, query_tile(d))
+    flat = 2 * b * h * padded + b * h * padded * d + 2 * k.numel()
+    for zeroed in (False, True):
+        poison = torch.full((flat,), math.nan, device="cuda")
+        del poison
+        rows, sums = query_rows(dout, out, lse, d ** -0.5, zeroed=zeroed, sums_shape=(2, *k.shape))
+        assert sums.shape == (2, *k.shape) and rows.dq_acc.shape == (b, h, padded * d)
+        if zeroed:
+            assert torch.count_nonzero(rows.dq_acc) == 0 and torch.count_nonzero(sums) == 0
+        else:
+            assert rows.dq_acc.isnan().all() and sums.isnan().all(), "the NaN block was not reused"
+        # delta's rows lie in the stats order within each tile, pad rows 0: compare them sorted
+        delta = (dout.float() * out.float()).sum(-1).transpose(1, 2) * d ** -0.5
+        delta = torch.nn.functional.pad(delta, (0, padded - s))
+        assert torch.allclose(rows.delta.sort(-1).values, delta.sort(-1).values, rtol=1e-5, atol=1e-5)
 
 
 def test_query_state_refuses_rows_off_its_tiles_and_another_scale():

@@ -88,7 +88,8 @@ def _preprocess_args(cfg: BwdPreprocessConfig):
     b, s, h, s_pad = (cute.sym_int() for _ in range(4))
     o, do = (_bshd(dt, b, s, h, cfg.head_dim) for _ in range(2))
     lse, lse2, delta = (_fake(Float32, (b, h, n), assumed_align=4) for n in (s, s_pad, s_pad))
-    return BwdPreprocess(dt, cfg.head_dim), (o, do, lse, lse2, delta, Float32(1.0), _stream())
+    zero = _fake(Float32, (cute.sym_int(divisibility=4),), assumed_align=16) if cfg.zero else None
+    return BwdPreprocess(dt, cfg.head_dim), (o, do, lse, lse2, delta, zero, Float32(1.0), _stream())
 
 
 def _postprocess_args(cfg: DqPostprocessConfig):

@@ -4,6 +4,7 @@ A configuration holds every compile-time value of one kernel (the compile cache 
 it) and names it; ringfa4.backends.cute.compile turns it into a kernel. Plain data: importing
 this module needs no nvidia-cutlass-dsl.
 """
+import functools
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -116,10 +117,11 @@ class BwdPreprocessConfig:
 
     dtype: str  # "bf16" | "fp16"
     head_dim: int
+    zero: bool = False  # also zero a flat fp32 buffer (the dQ accumulator and the dK/dV sums)
 
     @property
     def name(self) -> str:
-        return f"bwd_preprocess_{self.dtype}_d{self.head_dim}"
+        return f"bwd_preprocess_{self.dtype}_d{self.head_dim}" + ("_zero" if self.zero else "")
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,7 @@ ORDER_KEYS = {64: 8192, 128: 32768}
 MEET_KEYS = {64: 8192}
 
 
+@functools.lru_cache(maxsize=1024)  # asked at every call (a ring: every step)
 def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False,
                  seqlen_k: Optional[int] = None, heads_per_kv: int = 1,
                  longest_document: Optional[int] = None) -> FwdSm90Config:
@@ -278,7 +281,7 @@ VARIANTS = (
      for docs in (False, True) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)
      for seqlen_k in _fwd_key_lengths(d, c)
      for heads_per_kv in ((1, 4) if d == 64 else (1,))]
-    + [BwdPreprocessConfig(dt, d) for dt in _DTYPES for d in _HEAD_DIMS]
+    + [BwdPreprocessConfig(dt, d, zero) for dt in _DTYPES for d in _HEAD_DIMS for zero in (False, True)]
     + [DqPostprocessConfig(dt, d, query_tile(d), add)
        for d in _HEAD_DIMS
        for dt, add in (("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True), ("fp32", True))]

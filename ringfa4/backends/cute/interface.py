@@ -7,15 +7,18 @@ them once per step). What they do check is what only direct callers pass: preall
 a forward configuration, a QueryRows of another scale.
 """
 import collections
+import functools
 import math
 import weakref
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ringfa4.backends import DqBuffer
-from ringfa4.backends.cute.configs import CLUSTER_SHARES, bwd_defaults, fwd_defaults, query_tile
+from ringfa4.backends.cute.configs import (CLUSTER_SHARES, BwdSm90Config, bwd_defaults, fwd_defaults,
+                                           query_tile)
 from ringfa4.backends.cute.launch import (capability, compiled, device_index, dq_turn_counters, dsl_installed,
                                           key_tile, num_sms)
 from ringfa4.backends.cute.query_state import (QueryRows, QueryState, padded_rows, postprocess_dq,
@@ -488,6 +491,31 @@ def _added(given, fresh):
     return fresh if given is None else given.add_(fresh)
 
 
+class _BackwardPlan(NamedTuple):
+    splits: int  # head_splits
+    sums: bool  # the shares add into fp32 sums of the call's own, cast to dtype after
+    config: BwdSm90Config
+    rotation: int  # rotation_group
+    lpt: int  # launches_lpt, as the kernel's flag
+
+
+@functools.lru_cache(maxsize=1024)
+def _backward_plan(dtype, b, sq, sk, h, hk, d, causal, deterministic, sms, has_docs, longest, given_fp32):
+    """The backward's choices for one call signature, made once: a ring or a model asks the same
+    ones at every step and layer. ``given_fp32``: the caller's dk/dv are fp32 buffers the kernel
+    can address (it adds into them)."""
+    splits = head_splits(b, sq, sk, h, hk, d, causal, deterministic, sms, has_docs, longest)
+    # Split shares sum dK/dV into the caller's fp32 buffers, or in fp32 sums of the call's own
+    # (deterministic: in a fixed order), or, deterministic and causal, in clusters of the shares.
+    cluster = deterministic and causal and not has_docs and splits in CLUSTER_SHARES and not given_fp32
+    sums = splits > 1 and not (cluster or given_fp32)
+    config = bwd_defaults(dtype, d, causal, deterministic, given_fp32 or sums, has_docs, sk % key_tile() == 0, sk)
+    if cluster:
+        config = replace(config, cluster_shares=splits)
+    return _BackwardPlan(splits, sums, config, rotation_group(sk, causal, deterministic, sms, config.rotate_groups),
+                         int(launches_lpt(b, sq, h, d, causal, deterministic, has_docs)))
+
+
 def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, dv=None,
              deterministic=False, doc_ids=None, doc_order=None):
     """Gradients of attention with the softmax normalised by the given lse. Given dq/dk/dv
@@ -504,58 +532,46 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     if min(b, sq, sk) == 0:  # nothing to launch: no query sees a key, every gradient is zero
         return tuple(_added(buf, torch.zeros_like(t)) for buf, t in ((dq, q), (dk, k), (dv, v)))
     dout = tma_ready(dout)
+    given_fp32 = all(t is not None and t.dtype == torch.float32 and tma_compatible(t) for t in (dk, dv))
+    plan = _backward_plan(DTYPE_NAMES[q.dtype], b, sq, sk, h, hk, d, bool(causal), bool(deterministic), _sms(q),
+                          doc_ids is not None, getattr(doc_ids, "longest", None), given_fp32)
+    config = plan.config if doc_order is None else replace(plan.config, doc_order=doc_order)
     # Deterministic without documents, every dQ tile and every (K/V block, kv head) has a first
     # turn: into buffers of this call's own it stores (the kernel's dq_fresh and dkv_fresh), so
     # they need no zeroing.
     first_turns = deterministic and doc_ids is None
     dq_fresh = first_turns and not isinstance(dq, QueryRows)
+    sums_shape = (2, *k.shape) if plan.sums else None
     if isinstance(dq, QueryRows):
         if dq.softmax_scale != scale:
             raise ValueError(f"softmax_scale ({scale}) must be the one of dq's QueryState "
                              f"({dq.softmax_scale})")
         rows = dq
+        sums = ((torch.empty if first_turns else torch.zeros)(sums_shape, dtype=torch.float32, device=k.device)
+                if plan.sums else None)
     else:
-        rows = query_rows(dout, out, lse, scale, zeroed=not dq_fresh)
-    tile_m = rows.tile_m
-
-    splits = head_splits(b, sq, sk, h, hk, d, causal, deterministic, _sms(q), doc_ids is not None,
-                         getattr(doc_ids, "longest", None))
-    # fp32 dk/dv the kernel can address are added into by the kernel; else it writes new ones,
-    # or, with split heads, sums them into fp32 ones (deterministic: in a fixed order), or,
-    # deterministic and causal, in clusters of the shares (BwdSm90Config.cluster_shares).
-    given_fp32 = all(t is not None and t.dtype == torch.float32 and tma_compatible(t) for t in (dk, dv))
-    cluster = (deterministic and causal and doc_ids is None and splits in CLUSTER_SHARES
-               and not given_fp32)
-    sums = None  # the split shares' fp32 dK and dV, one allocation
+        rows, sums = query_rows(dout, out, lse, scale, zeroed=not dq_fresh, sums_shape=sums_shape)
     if given_fp32:
         dk_out, dv_out = dk, dv
-    elif splits > 1 and not cluster:
-        sums = (torch.empty if first_turns else torch.zeros)((2, *k.shape), dtype=torch.float32, device=k.device)
+    elif plan.sums:
         dk_out, dv_out = sums.unbind(0)
     else:
         dk_out, dv_out = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
-    config = bwd_defaults(DTYPE_NAMES[q.dtype], d, bool(causal), bool(deterministic),
-                          dk_out.dtype == torch.float32, doc_ids is not None, sk % key_tile() == 0, sk)
-    if doc_order is not None:
-        config = replace(config, doc_order=doc_order)
-    if cluster:
-        config = replace(config, cluster_shares=splits)
     sems = (None, None)
     if deterministic:  # turn counters ordering the dQ tiles' and the dK/dV blocks' reductions
-        n_q = padded_rows(sq, tile_m) // tile_m * dq_turn_counters(config.dq_warp_per_part)  # per query head
+        cluster = config.cluster_shares > 1
+        n_q = padded_rows(sq, rows.tile_m) // rows.tile_m * dq_turn_counters(config.dq_warp_per_part)
         n_n = 0 if cluster else -(-sk // key_tile())
         counters = torch.zeros(b * (h * n_q + hk * n_n), dtype=torch.int32, device=q.device)
         sems = (counters[:b * h * n_q].view(b, h, n_q),
                 None if cluster else counters[b * h * n_q:].view(b, hk, n_n))
     docs = (None,) * 5
     if doc_ids is not None:
-        order = launch_order(doc_ids, causal, tile_m, hk * splits) if config.doc_order else None
-        docs = (*visible_blocks(doc_ids, causal, tile_m), order)
+        order = launch_order(doc_ids, causal, rows.tile_m, hk * plan.splits) if config.doc_order else None
+        docs = (*visible_blocks(doc_ids, causal, rows.tile_m), order)
     compiled(config)(q.detach(), k.detach(), v.detach(), dout, rows.lse2, rows.delta, rows.dq_acc,
-                     dk_out, dv_out, sems[0], *docs, sems[1], scale, splits,
-                     rotation_group(sk, causal, deterministic, _sms(q), config.rotate_groups),
-                     int(launches_lpt(b, sq, h, d, causal, deterministic, doc_ids is not None)),
-                     int(dq_fresh), int(first_turns and sums is not None))
+                     dk_out, dv_out, sems[0], *docs, sems[1], scale, plan.splits, plan.rotation, plan.lpt,
+                     int(dq_fresh), int(first_turns and plan.sums))
 
     if rows is not dq:  # dq <- (or +=) the accumulator; a dq it cannot address gets a fresh one added
         add = dq is not None and tma_compatible(dq)
@@ -563,7 +579,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         postprocess_dq(rows, dq_out, add)
         dq = dq_out if add else _added(dq, dq_out)
     if dk_out is not dk:
-        if sums is not None and dk is None and dv is None:
+        if plan.sums and dk is None and dv is None:
             dk, dv = (t.to(k.dtype) for t in sums.unbind(0))  # two tensors: an operator's results may not alias
         else:
             dk, dv = (_added(given, fresh if given is not None else fresh.to(t.dtype))

@@ -1,6 +1,7 @@
 """The backward's per-query work, done once per set of queries: the preprocess (lse in log2
 units, delta = scale * rowsum(dO * O)), the fragment-order dQ accumulator the backward kernel
 adds into (ringfa4.kernels.dq_layout) and the postprocess that puts dQ back in (b, s, h, d)."""
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,21 +28,26 @@ def padded_rows(s, tile_m):
     return (s + tile_m - 1) // tile_m * tile_m
 
 
-def query_rows(dout, out, lse, softmax_scale, zeroed=True):
-    """Preprocessed rows of (dout, out, lse) with a dQ accumulator for the backward's query
-    tiles (configs.query_tile): zeroed, or (``zeroed=False``) uninitialised, for a call whose
-    first reduction into each tile stores (the deterministic kernel's dq_fresh)."""
+def query_rows(dout, out, lse, softmax_scale, zeroed=True, sums_shape=None):
+    """(QueryRows, sums): preprocessed rows of (dout, out, lse) with a dQ accumulator for the
+    backward's query tiles (configs.query_tile), and, where ``sums_shape`` is given, fp32 sums of
+    that shape (the split shares' dK and dV), else None. One allocation holds them all; the
+    accumulator and the sums are zeroed by the preprocess (no memset launch of their own), or
+    (``zeroed=False``) left uninitialised, for a call whose first reduction into each stores (the
+    deterministic kernel's dq_fresh and dkv_fresh)."""
     b, s, h, d = out.shape
     tile_m = query_tile(d)
     padded = padded_rows(s, tile_m)
-    dev = out.device
-    lse2, delta = torch.empty((2, b, h, padded), dtype=torch.float32, device=dev)  # one allocation
-    acc = (torch.zeros if zeroed else torch.empty)((b, h, padded * d), dtype=torch.float32, device=dev)
-    rows = QueryRows(tile_m, acc, lse2, delta, float(softmax_scale))
-    compiled(BwdPreprocessConfig(DTYPE_NAMES[out.dtype], d))(
+    stats, acc = b * h * padded, b * h * padded * d
+    sums = math.prod(sums_shape) if sums_shape is not None else 0
+    flat = torch.empty(2 * stats + acc + sums, dtype=torch.float32, device=out.device)
+    lse2, delta = flat[:2 * stats].view(2, b, h, padded)
+    rows = QueryRows(tile_m, flat[2 * stats:2 * stats + acc].view(b, h, padded * d), lse2, delta,
+                     float(softmax_scale))
+    compiled(BwdPreprocessConfig(DTYPE_NAMES[out.dtype], d, zero=zeroed))(
         tma_ready(out), tma_ready(dout), rows_ready(lse.detach()), rows.lse2, rows.delta,
-        rows.softmax_scale)
-    return rows
+        flat[2 * stats:] if zeroed else None, rows.softmax_scale)
+    return rows, (flat[2 * stats + acc:].view(sums_shape) if sums else None)
 
 
 def postprocess_dq(rows: QueryRows, dq, add):
@@ -61,7 +67,7 @@ class QueryState:
 
     def __init__(self, dout, q, out, lse, softmax_scale):
         self.shape, self.dtype = q.shape, q.dtype
-        self._all = query_rows(dout, out, lse, softmax_scale)
+        self._all = query_rows(dout, out, lse, softmax_scale)[0]
         self.tile_m = self._all.tile_m
 
     def rows(self, sl: slice) -> QueryRows:
