@@ -180,7 +180,9 @@ ORDER_KEYS = {64: 8192, 128: 32768}
 MEET_KEYS = {64: 8192}
 
 
-@functools.lru_cache(maxsize=1024)  # asked at every call (a ring: every step)
+# Cached: asked at every call (a ring: every step). It reads its arguments and this module's
+# constants only; a test that replaces one of those must call fwd_defaults.cache_clear().
+@functools.lru_cache(maxsize=1024)
 def fwd_defaults(dtype: str, head_dim: int, causal: bool, has_docs: bool = False,
                  seqlen_k: Optional[int] = None, heads_per_kv: int = 1,
                  longest_document: Optional[int] = None) -> FwdSm90Config:

@@ -7,7 +7,6 @@ them once per step). What they do check is what only direct callers pass: preall
 a forward configuration, a QueryRows of another scale.
 """
 import collections
-import functools
 import math
 import weakref
 from dataclasses import replace
@@ -499,11 +498,11 @@ class _BackwardPlan(NamedTuple):
     lpt: int  # launches_lpt, as the kernel's flag
 
 
-@functools.lru_cache(maxsize=1024)
 def _backward_plan(dtype, b, sq, sk, h, hk, d, causal, deterministic, sms, has_docs, longest, given_fp32):
-    """The backward's choices for one call signature, made once: a ring or a model asks the same
-    ones at every step and layer. ``given_fp32``: the caller's dk/dv are fp32 buffers the kernel
-    can address (it adds into them)."""
+    """The backward's choices for these inputs, before anything is allocated. ``given_fp32``:
+    the caller's dk/dv are fp32 buffers the kernel can address (it adds into them). Not cached:
+    tests replace what it reads (CLUSTER_SHARES, bwd_defaults, launches_lpt) to run other
+    variants, and it costs a few microseconds."""
     splits = head_splits(b, sq, sk, h, hk, d, causal, deterministic, sms, has_docs, longest)
     # Split shares sum dK/dV into the caller's fp32 buffers, or in fp32 sums of the call's own
     # (deterministic: in a fixed order), or, deterministic and causal, in clusters of the shares.
