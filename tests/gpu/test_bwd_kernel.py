@@ -22,6 +22,7 @@ if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
     import ringfa4.backends.cute as cute_backend
     from ringfa4.backends.cute.configs import bwd_defaults, query_tile
     from ringfa4.backends.cute.launch import key_tile
+    from ringfa4.backends.cute import query_state
     from ringfa4.backends.cute.query_state import QueryRows, QueryState, padded_rows, query_rows
 else:
     pytestmark = [pytest.mark.gpu, pytest.mark.skip(reason="needs a Hopper (sm_90) GPU")]
@@ -338,11 +339,15 @@ def test_query_state_sums_calls_over_row_chunks_like_one_backward(deterministic)
     _assert_close("dv", dv, g64[2], glow[2])
 
 
+@pytest.mark.parametrize("in_kernel", [True, False], ids=["preprocess", "memset"])
 @pytest.mark.parametrize("b,s,h,hk,d", [(2, 1000, 4, 2, 128), (1, 300, 6, 3, 64)])
-def test_preprocess_zeroes_the_accumulator_and_sums_it_allocates(b, s, h, hk, d):
+def test_preprocess_zeroes_the_accumulator_and_sums_it_allocates(b, s, h, hk, d, in_kernel, monkeypatch):
     """query_rows' one allocation (lse2, delta, dQ accumulator, dK/dV sums) taken from a block
-    of NaN: the preprocess leaves no element of the accumulator or the sums unzeroed, and
-    without zeroing (dq_fresh calls) the NaN is still there, so the poison did land."""
+    of NaN: the preprocess (or, past KERNEL_ZERO_MAX elements, a memset) leaves no element of the
+    accumulator or the sums unzeroed, and without zeroing (dq_fresh calls) the NaN is still
+    there, so the poison did land."""
+    if not in_kernel:
+        monkeypatch.setattr(query_state, "KERNEL_ZERO_MAX", 0)
     q, k, v, dout = _inputs(b, s, s, h, hk, d, torch.bfloat16, seed=21)
     out, lse = cute_backend.forward(q, k, v, False, None)
     padded = padded_rows(s, query_tile(d))

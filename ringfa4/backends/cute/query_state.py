@@ -23,6 +23,11 @@ class QueryRows:
     softmax_scale: float  # the one folded into delta
 
 
+# The most fp32 elements the preprocess zeroes (bwd_preprocess: 32-bit indices, with room for a
+# slice's overshoot); a larger accumulator (4 GiB and more) is zeroed by a memset.
+KERNEL_ZERO_MAX = 1 << 30
+
+
 def padded_rows(s, tile_m):
     """s query rows rounded up to whole query tiles."""
     return (s + tile_m - 1) // tile_m * tile_m
@@ -32,7 +37,8 @@ def query_rows(dout, out, lse, softmax_scale, zeroed=True, sums_shape=None):
     """(QueryRows, sums): preprocessed rows of (dout, out, lse) with a dQ accumulator for the
     backward's query tiles (configs.query_tile), and, where ``sums_shape`` is given, fp32 sums of
     that shape (the split shares' dK and dV), else None. One allocation holds them all; the
-    accumulator and the sums are zeroed by the preprocess (no memset launch of their own), or
+    accumulator and the sums are zeroed by the preprocess (no memset launch of their own; up to
+    KERNEL_ZERO_MAX elements), or
     (``zeroed=False``) left uninitialised, for a call whose first reduction into each stores (the
     deterministic kernel's dq_fresh and dkv_fresh)."""
     b, s, h, d = out.shape
@@ -44,9 +50,12 @@ def query_rows(dout, out, lse, softmax_scale, zeroed=True, sums_shape=None):
     lse2, delta = flat[:2 * stats].view(2, b, h, padded)
     rows = QueryRows(tile_m, flat[2 * stats:2 * stats + acc].view(b, h, padded * d), lse2, delta,
                      float(softmax_scale))
-    compiled(BwdPreprocessConfig(DTYPE_NAMES[out.dtype], d, zero=zeroed))(
+    in_kernel = zeroed and acc + sums <= KERNEL_ZERO_MAX
+    if zeroed and not in_kernel:
+        flat[2 * stats:].zero_()
+    compiled(BwdPreprocessConfig(DTYPE_NAMES[out.dtype], d, zero=in_kernel))(
         tma_ready(out), tma_ready(dout), rows_ready(lse.detach()), rows.lse2, rows.delta,
-        flat[2 * stats:] if zeroed else None, rows.softmax_scale)
+        flat[2 * stats:] if in_kernel else None, rows.softmax_scale)
     return rows, (flat[2 * stats + acc:].view(sums_shape) if sums else None)
 
 
