@@ -16,8 +16,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ringfa4.backends import DqBuffer
-from ringfa4.backends.cute.configs import (CLUSTER_SHARES, BwdSm90Config, bwd_defaults, fwd_defaults,
-                                           query_tile)
+from ringfa4.backends.cute.configs import (CLUSTER_SHARES, BwdSm90Config, bwd_defaults, cluster_config,
+                                           fwd_defaults, query_tile)
 from ringfa4.backends.cute.launch import (capability, compiled, device_index, dq_turn_counters, dsl_installed,
                                           key_tile, num_sms)
 from ringfa4.backends.cute.query_state import (QueryRows, QueryState, padded_rows, postprocess_dq,
@@ -385,8 +385,8 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
     fastest split but at 2k, RESULTS 2026-11-26 night).
 
     Deterministic mode orders each dQ tile's reductions over the K/V blocks, and the shares'
-    dK/dV reduce-adds by query head (causal pairs written in dtype sum in a cluster instead,
-    CLUSTER_SHARES). Causal, a group of 4 heads per CTA ran at 0.69-0.73x of the
+    dK/dV reduce-adds by query head (causal shares written in dtype sum in clusters of two
+    instead, CLUSTER_SHARES). Causal, a group of 4 heads per CTA ran at 0.69-0.73x of the
     default at 2k-4k keys and 0.57-0.64x at 8k-32k with hdim 128 (H100, 32/8 heads), against
     0.84-0.95x with one head per CTA; with hdim 64 unsplit stays ahead up to 8k (0.94-0.99x against
     0.67-0.96x) and falls behind from 16k (0.89x against 0.92x; 0.66x against 0.96x at 32k). So
@@ -510,7 +510,7 @@ def _backward_plan(dtype, b, sq, sk, h, hk, d, causal, deterministic, sms, has_d
     sums = splits > 1 and not (cluster or given_fp32)
     config = bwd_defaults(dtype, d, causal, deterministic, given_fp32 or sums, has_docs, sk % key_tile() == 0, sk)
     if cluster:
-        config = replace(config, cluster_shares=splits)
+        config = replace(config, **cluster_config(splits))
     return _BackwardPlan(splits, sums, config, rotation_group(sk, causal, deterministic, sms, config.rotate_groups),
                          int(launches_lpt(b, sq, h, d, causal, deterministic, has_docs)))
 
@@ -558,19 +558,21 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         dk_out, dv_out = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
     sems = (None, None)
     if deterministic:  # turn counters ordering the dQ tiles' and the dK/dV blocks' reductions
-        cluster = config.cluster_shares > 1
+        kv_turns = config.cluster_shares == 1 or config.cluster_pairs  # sem_kv: ordered or counted
         n_q = padded_rows(sq, rows.tile_m) // rows.tile_m * dq_turn_counters(config.dq_warp_per_part)
-        n_n = 0 if cluster else -(-sk // key_tile())
+        n_n = -(-sk // key_tile()) if kv_turns else 0
         counters = torch.zeros(b * (h * n_q + hk * n_n), dtype=torch.int32, device=q.device)
-        sems = (counters[:b * h * n_q].view(b, h, n_q),
-                None if cluster else counters[b * h * n_q:].view(b, hk, n_n))
+        sems = (counters[:b * h * n_q].view(b, h, n_q), counters[b * h * n_q:].view(b, hk, n_n) if n_n else None)
     docs = (None,) * 5
     if doc_ids is not None:
         order = launch_order(doc_ids, causal, rows.tile_m, hk * plan.splits) if config.doc_order else None
         docs = (*visible_blocks(doc_ids, causal, rows.tile_m), order)
+    # cluster_pairs: the first pair's sums on their way to the second, written before read
+    parts = (torch.empty((2, *k.shape), dtype=torch.float32, device=k.device).unbind(0) if config.cluster_pairs
+             else (None, None))
     compiled(config)(q.detach(), k.detach(), v.detach(), dout, rows.lse2, rows.delta, rows.dq_acc,
                      dk_out, dv_out, sems[0], *docs, sems[1], scale, plan.splits, plan.rotation, plan.lpt,
-                     int(dq_fresh), int(first_turns and plan.sums))
+                     int(dq_fresh), int(first_turns and plan.sums), *parts)
 
     if rows is not dq:  # dq <- (or +=) the accumulator; a dq it cannot address gets a fresh one added
         add = dq is not None and tma_compatible(dq)
