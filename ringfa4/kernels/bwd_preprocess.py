@@ -21,6 +21,7 @@ from cutlass import Float32, const_expr
 
 from ringfa4.kernels.softmax import LOG2_E
 from ringfa4.kernels.stats_layout import stats_position
+from ringfa4.kernels.tile_scheduler import flat_share
 
 _THREADS = 128
 _THREADS_PER_ROW = 8
@@ -48,7 +49,7 @@ class BwdPreprocess:
         tidx, _, _ = cute.arch.thread_idx()
         row_block, head, batch = cute.arch.block_idx()
         if const_expr(mZero is not None):
-            self._zero_slice(mZero, tidx, row_block, head, batch)
+            self._zero_share(mZero, tidx)
         row = row_block * _ROWS + tidx // _THREADS_PER_ROW
         part = tidx % _THREADS_PER_ROW
         seqlen = mO.shape[1]
@@ -74,16 +75,13 @@ class BwdPreprocess:
             mDelta[batch, head, at] = delta * softmax_scale
 
     @cute.jit
-    def _zero_slice(self, mZero: cute.Tensor, tidx, row_block, head, batch):
-        """This CTA's contiguous slice of mZero (whole 16-byte vectors) set to zero."""
-        blocks, heads, _ = cute.arch.grid_dim()
-        ctas = blocks * heads * cute.arch.grid_dim()[2]
-        cta = (batch * heads + head) * blocks + row_block
+    def _zero_share(self, mZero: cute.Tensor, tidx):
+        """This CTA's share of mZero (tile_scheduler.flat_share) set to zero."""
         length = mZero.shape[0]
-        per_cta = cute.ceil_div(length, ctas * _VEC) * _VEC
+        first, count = flat_share(length, _VEC)
         zeros = cute.make_rmem_tensor((_VEC,), Float32)
         zeros.fill(0.0)
-        for i in cutlass.range(tidx * _VEC, per_cta, _THREADS * _VEC):
-            at = cta * per_cta + i
+        for i in cutlass.range(tidx * _VEC, count, _THREADS * _VEC):
+            at = first + i
             if at < length:
                 cute.autovec_copy(zeros, cute.local_tile(mZero, (_VEC,), (at // _VEC,)))

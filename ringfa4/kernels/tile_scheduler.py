@@ -9,6 +9,9 @@ fill the tail.
 
 The backward's CTA owns one KV block and walks (query head of its kv head's group, query block)
 pairs, query blocks fastest; a rotated walk starts each head at a query block of its own.
+
+Elementwise passes over a flat buffer (the backward's pre- and postprocess) share it among the
+CTAs of their grid in contiguous runs (flat_share).
 """
 from dataclasses import dataclass
 
@@ -87,3 +90,14 @@ class BwdStepScheduler:
     def coords(self, head, pos):
         """(query head, m_block) of place (head, pos)."""
         return self.first_head + head, self.m_block_min + pos
+
+
+@cute.jit
+def flat_share(length, vec: cutlass.Constexpr):
+    """(first, count): the elements of a flat buffer of ``length`` this CTA takes, one contiguous
+    run of whole ``vec``-element vectors per CTA, in block order (x fastest). Runs past the end
+    are the caller's to skip: each vector at first + i (i < count) exists where it is < length."""
+    blocks, heads, batches = cute.arch.grid_dim()
+    x, y, z = cute.arch.block_idx()
+    count = cute.ceil_div(length, blocks * heads * batches * vec) * vec
+    return ((z * heads + y) * blocks + x) * count, count
