@@ -3,6 +3,7 @@
 Error bound for each gradient: 2x the error of PyTorch doing the same computation in the input
 precision (fp16/bf16 matmuls, fp32 softmax) against fp64, plus 1e-4 absolute.
 """
+import importlib
 import math
 import os
 import sys
@@ -22,7 +23,8 @@ if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
     import ringfa4.backends.cute as cute_backend
     from ringfa4.backends.cute.configs import bwd_defaults, query_tile
     from ringfa4.backends.cute.launch import key_tile
-    from ringfa4.backends.cute import query_state
+    # the package's query_state() shadows the module of that name as its attribute
+    query_state_module = importlib.import_module("ringfa4.backends.cute.query_state")
     from ringfa4.backends.cute.query_state import QueryRows, QueryState, padded_rows, query_rows
 else:
     pytestmark = [pytest.mark.gpu, pytest.mark.skip(reason="needs a Hopper (sm_90) GPU")]
@@ -137,6 +139,28 @@ def test_query_heads_split_over_ctas_when_kv_blocks_are_few(b, s, h, hk, d, caus
         for name, a, c in zip("dq dk dv".split(), first, cute_backend.backward(
                 dout, q, k, v, out, lse, causal, scale, deterministic=True)):
             assert torch.equal(a, c), f"{name} differs between two deterministic runs"
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_postprocess_writes_split_shares_dk_dv_as_the_cast_of_their_sums(deterministic):
+    """Split heads and new dk, dv: the dQ postprocess also writes the shares' fp32 sums in bf16
+    (DqPostprocessConfig.cast_sums), over memory filled with NaN, so every element must be
+    written; deterministic, the bits are those of the same sums added into given fp32 buffers
+    and cast by torch."""
+    b, s, h, hk, d = 1, 2000, 32, 8, 128
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert cute_backend.interface.head_splits(b, s, s, h, hk, d, True, deterministic, sms) > 1
+    q, k, v, dout = _inputs(b, s, s, h, hk, d, torch.bfloat16, seed=31)
+    out, lse, g64, glow = _references(q, k, v, dout, True, d ** -0.5)
+    _poison_allocator(q, k, v, q.float(), torch.stack((k, v)).float())
+    dq, dk, dv = cute_backend.backward(dout, q, k, v, out, lse, True, None, deterministic=deterministic)
+    for name, got, r64, rlow in zip("dq dk dv".split(), (dq, dk, dv), g64, glow):
+        _assert_close(name, got, r64, rlow)
+    if deterministic:
+        sums = [torch.zeros(t.shape, device="cuda") for t in (k, v)]
+        cute_backend.backward(dout, q, k, v, out, lse, True, None, None, *sums, deterministic=True)
+        for name, got, summed in zip(("dk", "dv"), (dk, dv), sums):
+            assert torch.equal(got, summed.to(got.dtype)), f"{name} differs from its fp32 sums cast"
 
 
 @pytest.mark.parametrize("b,s,h,hk,d", [(2, 2000, 16, 8, 128), (1, 7000, 4, 2, 64), (1, 5000, 16, 8, 64)])
@@ -370,22 +394,27 @@ def test_query_state_sums_calls_over_row_chunks_like_one_backward(deterministic)
 
 @pytest.mark.parametrize("in_kernel", [True, False], ids=["preprocess", "memset"])
 @pytest.mark.parametrize("b,s,h,hk,d", [(2, 1000, 4, 2, 128), (1, 300, 6, 3, 64)])
-def test_preprocess_zeroes_the_accumulator_and_sums_it_allocates(b, s, h, hk, d, in_kernel, monkeypatch):
-    """query_rows' one allocation (lse2, delta, dQ accumulator, dK/dV sums) taken from a block
-    of NaN: the preprocess (or, past KERNEL_ZERO_MAX elements, a memset) leaves no element of the
-    accumulator or the sums unzeroed, and without zeroing (dq_fresh calls) the NaN is still
-    there, so the poison did land."""
+def test_preprocess_zeroes_the_accumulator_sums_and_counters_it_allocates(b, s, h, hk, d, in_kernel, monkeypatch):
+    """query_rows' one allocation (lse2, delta, turn counters, dQ accumulator, dK/dV sums) taken
+    from a block of NaN: the preprocess (or, past FLAT_MAX elements, a memset) leaves no element
+    of the counters, the accumulator or the sums unzeroed; without zeroing (dq_fresh calls) the
+    counters are zeroed and the NaN is still in the rest, so the poison did land."""
     if not in_kernel:
-        monkeypatch.setattr(query_state, "KERNEL_ZERO_MAX", 0)
+        monkeypatch.setattr(query_state_module, "FLAT_MAX", 0)
     q, k, v, dout = _inputs(b, s, s, h, hk, d, torch.bfloat16, seed=21)
     out, lse = cute_backend.forward(q, k, v, False, None)
     padded = padded_rows(s, query_tile(d))
-    flat = 2 * b * h * padded + b * h * padded * d + 2 * k.numel()
+    n_counters = 7  # not a multiple of 4: the accumulator after them stays 16-byte aligned
+    flat = 2 * b * h * padded + 8 + b * h * padded * d + 2 * k.numel()
     for zeroed in (False, True):
         poison = torch.full((flat,), math.nan, device="cuda")
         del poison
-        rows, sums = query_rows(dout, out, lse, d ** -0.5, zeroed=zeroed, sums_shape=(2, *k.shape))
+        rows, sums, counters = query_rows(dout, out, lse, d ** -0.5, zeroed=zeroed, sums_shape=(2, *k.shape),
+                                          counters=n_counters)
         assert sums.shape == (2, *k.shape) and rows.dq_acc.shape == (b, h, padded * d)
+        assert counters.dtype == torch.int32 and counters.shape == (n_counters,)
+        assert rows.dq_acc.data_ptr() % 16 == 0 and sums.data_ptr() % 16 == 0
+        assert torch.count_nonzero(counters) == 0
         if zeroed:
             assert torch.count_nonzero(rows.dq_acc) == 0 and torch.count_nonzero(sums) == 0
         else:

@@ -98,7 +98,13 @@ def _postprocess_args(cfg: DqPostprocessConfig):
     dt = CUTLASS_DTYPES[cfg.dtype]
     b, s, h, length = (cute.sym_int() for _ in range(4))
     acc = _fake(Float32, (b, h, length), align_elems=4)
-    return DqPostprocess(dt, cfg.head_dim, cfg.tile_m, cfg.add), (acc, _bshd(dt, b, s, h, cfg.head_dim), _stream())
+    sums, dk, dv = None, None, None
+    if cfg.cast_sums:
+        n = cute.sym_int(divisibility=4)
+        sums = _fake(Float32, (cute.sym_int(divisibility=8),), assumed_align=16)
+        dk, dv = (_fake(dt, (n,), assumed_align=16) for _ in range(2))
+    return DqPostprocess(dt, cfg.head_dim, cfg.tile_m, cfg.add), (
+        acc, _bshd(dt, b, s, h, cfg.head_dim), sums, dk, dv, _stream())
 
 
 def _merge_args(cfg: MergeConfig):

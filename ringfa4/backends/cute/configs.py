@@ -136,11 +136,12 @@ class DqPostprocessConfig:
     head_dim: int
     tile_m: int  # the backward kernel's, which sets the accumulator's layout
     add: bool  # add into dq (else overwrite it)
+    cast_sums: bool = False  # also write the split shares' fp32 dK/dV sums in dtype
 
     @property
     def name(self) -> str:
         return (f"bwd_dq_postprocess_{self.dtype}_d{self.head_dim}_m{self.tile_m}"
-                f"_{'add' if self.add else 'store'}")
+                f"_{'add' if self.add else 'store'}" + ("_castsums" if self.cast_sums else ""))
 
 
 @dataclass(frozen=True)
@@ -300,6 +301,7 @@ VARIANTS = (
     + [DqPostprocessConfig(dt, d, query_tile(d), add)
        for d in _HEAD_DIMS
        for dt, add in (("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True), ("fp32", True))]
+    + [DqPostprocessConfig(dt, d, query_tile(d), False, cast_sums=True) for dt in _DTYPES for d in _HEAD_DIMS]
     + list(dict.fromkeys(
         replace(bwd_defaults(dt, d, c, det, f32, docs, whole, seqlen_k), **cluster_config(splits))
         for docs in (False, True) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)

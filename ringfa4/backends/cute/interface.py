@@ -20,7 +20,7 @@ from ringfa4.backends.cute.configs import (CLUSTER_SHARES, BwdSm90Config, bwd_de
                                            fwd_defaults, query_tile)
 from ringfa4.backends.cute.launch import (capability, compiled, device_index, dq_turn_counters, dsl_installed,
                                           key_tile, num_sms)
-from ringfa4.backends.cute.query_state import (QueryRows, QueryState, padded_rows, postprocess_dq,
+from ringfa4.backends.cute.query_state import (FLAT_MAX, QueryRows, QueryState, padded_rows, postprocess_dq,
                                                query_rows)
 from ringfa4.backends.cute.tensors import (DTYPE_NAMES, INPUT_DTYPES, layout_reason, tma_compatible,
                                            tma_ready)
@@ -541,6 +541,11 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     first_turns = deterministic and doc_ids is None
     dq_fresh = first_turns and not isinstance(dq, QueryRows)
     sums_shape = (2, *k.shape) if plan.sums else None
+    # Deterministic: turn counters ordering the dQ tiles' and the dK/dV blocks' reductions.
+    tile_m, kv_turns = query_tile(d), config.cluster_shares == 1 or config.cluster_pairs
+    n_q = padded_rows(sq, tile_m) // tile_m * dq_turn_counters(config.dq_warp_per_part) if deterministic else 0
+    n_n = -(-sk // key_tile()) if deterministic and kv_turns else 0
+    n_counters = b * (h * n_q + hk * n_n)
     if isinstance(dq, QueryRows):
         if dq.softmax_scale != scale:
             raise ValueError(f"softmax_scale ({scale}) must be the one of dq's QueryState "
@@ -548,8 +553,10 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
         rows = dq
         sums = ((torch.empty if first_turns else torch.zeros)(sums_shape, dtype=torch.float32, device=k.device)
                 if plan.sums else None)
+        counters = torch.zeros(n_counters, dtype=torch.int32, device=q.device) if deterministic else None
     else:
-        rows, sums = query_rows(dout, out, lse, scale, zeroed=not dq_fresh, sums_shape=sums_shape)
+        rows, sums, counters = query_rows(dout, out, lse, scale, zeroed=not dq_fresh, sums_shape=sums_shape,
+                                          counters=n_counters)
     if given_fp32:
         dk_out, dv_out = dk, dv
     elif plan.sums:
@@ -557,16 +564,12 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     else:
         dk_out, dv_out = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
     sems = (None, None)
-    if deterministic:  # turn counters ordering the dQ tiles' and the dK/dV blocks' reductions
-        kv_turns = config.cluster_shares == 1 or config.cluster_pairs  # sem_kv: ordered or counted
-        n_q = padded_rows(sq, rows.tile_m) // rows.tile_m * dq_turn_counters(config.dq_warp_per_part)
-        n_n = -(-sk // key_tile()) if kv_turns else 0
-        counters = torch.zeros(b * (h * n_q + hk * n_n), dtype=torch.int32, device=q.device)
+    if deterministic:
         sems = (counters[:b * h * n_q].view(b, h, n_q), counters[b * h * n_q:].view(b, hk, n_n) if n_n else None)
     docs = (None,) * 5
     if doc_ids is not None:
-        order = launch_order(doc_ids, causal, rows.tile_m, hk * plan.splits) if config.doc_order else None
-        docs = (*visible_blocks(doc_ids, causal, rows.tile_m), order)
+        order = launch_order(doc_ids, causal, tile_m, hk * plan.splits) if config.doc_order else None
+        docs = (*visible_blocks(doc_ids, causal, tile_m), order)
     # cluster_pairs: the first pair's sums on their way to the second, written before read
     parts = (torch.empty((2, *k.shape), dtype=torch.float32, device=k.device).unbind(0) if config.cluster_pairs
              else (None, None))
@@ -574,17 +577,23 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
                      dk_out, dv_out, sems[0], *docs, sems[1], scale, plan.splits, plan.rotation, plan.lpt,
                      int(dq_fresh), int(first_turns and plan.sums), *parts)
 
+    # The split shares' sums become new dk, dv in dtype (two tensors: an operator's results may
+    # not alias), written by the postprocess where it writes a new dq, else cast here.
+    new_dkv = plan.sums and dk is None and dv is None
     if rows is not dq:  # dq <- (or +=) the accumulator; a dq it cannot address gets a fresh one added
         add = dq is not None and tma_compatible(dq)
         dq_out = dq if add else torch.empty_like(q, memory_format=torch.contiguous_format)
-        postprocess_dq(rows, dq_out, add)
-        dq = dq_out if add else _added(dq, dq_out)
-    if dk_out is not dk:
-        if plan.sums and dk is None and dv is None:
-            dk, dv = (t.to(k.dtype) for t in sums.unbind(0))  # two tensors: an operator's results may not alias
+        if new_dkv and not add and sums.numel() <= FLAT_MAX:
+            dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
+            postprocess_dq(rows, dq_out, add, sums.view(-1), dk.view(-1), dv.view(-1))
         else:
-            dk, dv = (_added(given, fresh if given is not None else fresh.to(t.dtype))
-                      for given, fresh, t in ((dk, dk_out, k), (dv, dv_out, v)))
+            postprocess_dq(rows, dq_out, add)
+        dq = dq_out if add else _added(dq, dq_out)
+    if new_dkv and dk is None:
+        dk, dv = (t.to(k.dtype) for t in sums.unbind(0))
+    elif not new_dkv and dk_out is not dk:
+        dk, dv = (_added(given, fresh if given is not None else fresh.to(t.dtype))
+                  for given, fresh, t in ((dk, dk_out, k), (dv, dv_out, v)))
     return dq, dk, dv
 
 

@@ -23,9 +23,10 @@ class QueryRows:
     softmax_scale: float  # the one folded into delta
 
 
-# The most fp32 elements the preprocess zeroes (bwd_preprocess: 32-bit indices, with room for a
-# slice's overshoot); a larger accumulator (4 GiB and more) is zeroed by a memset.
-KERNEL_ZERO_MAX = 1 << 30
+# The most fp32 elements the preprocess zeroes and the postprocess casts as one flat buffer (their
+# 32-bit indices, with room for a slice's overshoot); larger ones (4 GiB and more) are zeroed by a
+# memset and cast by torch.
+FLAT_MAX = 1 << 30
 
 
 def padded_rows(s, tile_m):
@@ -33,35 +34,41 @@ def padded_rows(s, tile_m):
     return (s + tile_m - 1) // tile_m * tile_m
 
 
-def query_rows(dout, out, lse, softmax_scale, zeroed=True, sums_shape=None):
-    """(QueryRows, sums): preprocessed rows of (dout, out, lse) with a dQ accumulator for the
-    backward's query tiles (configs.query_tile), and, where ``sums_shape`` is given, fp32 sums of
-    that shape (the split shares' dK and dV), else None. One allocation holds them all; the
-    accumulator and the sums are zeroed by the preprocess (no memset launch of their own; up to
-    KERNEL_ZERO_MAX elements), or
-    (``zeroed=False``) left uninitialised, for a call whose first reduction into each stores (the
-    deterministic kernel's dq_fresh and dkv_fresh)."""
+def query_rows(dout, out, lse, softmax_scale, zeroed=True, sums_shape=None, counters=0):
+    """(QueryRows, sums, counters): preprocessed rows of (dout, out, lse) with a dQ accumulator
+    for the backward's query tiles (configs.query_tile); where ``sums_shape`` is given, fp32 sums
+    of that shape (the split shares' dK and dV), else None; where ``counters`` is nonzero, that
+    many int32 zeros (deterministic mode's turn counters), else None. One allocation holds them
+    all, zeroed by the preprocess (no memset launch of their own; up to FLAT_MAX elements); the
+    accumulator and the sums are left uninitialised with ``zeroed=False``, for a call whose first
+    reduction into each stores (the deterministic kernel's dq_fresh and dkv_fresh)."""
     b, s, h, d = out.shape
     tile_m = query_tile(d)
     padded = padded_rows(s, tile_m)
     stats, acc = b * h * padded, b * h * padded * d
     sums = math.prod(sums_shape) if sums_shape is not None else 0
-    flat = torch.empty(2 * stats + acc + sums, dtype=torch.float32, device=out.device)
+    acc_at = 2 * stats + counters + -counters % 4  # 16-byte aligned, as TMA and the zeroing need
+    flat = torch.empty(acc_at + acc + sums, dtype=torch.float32, device=out.device)
     lse2, delta = flat[:2 * stats].view(2, b, h, padded)
-    rows = QueryRows(tile_m, flat[2 * stats:2 * stats + acc].view(b, h, padded * d), lse2, delta,
+    rows = QueryRows(tile_m, flat[acc_at:acc_at + acc].view(b, h, padded * d), lse2, delta,
                      float(softmax_scale))
-    in_kernel = zeroed and acc + sums <= KERNEL_ZERO_MAX
-    if zeroed and not in_kernel:
-        flat[2 * stats:].zero_()
+    zero = flat[2 * stats:flat.numel() if zeroed else acc_at]  # the counters, and what is zeroed
+    in_kernel = 0 < zero.numel() <= FLAT_MAX
+    if zero.numel() > FLAT_MAX:
+        zero.zero_()
     compiled(BwdPreprocessConfig(DTYPE_NAMES[out.dtype], d, zero=in_kernel))(
         tma_ready(out), tma_ready(dout), rows_ready(lse.detach()), rows.lse2, rows.delta,
-        flat[2 * stats:] if in_kernel else None, rows.softmax_scale)
-    return rows, (flat[2 * stats + acc:].view(sums_shape) if sums else None)
+        zero if in_kernel else None, rows.softmax_scale)
+    return (rows, flat[acc_at + acc:].view(sums_shape) if sums else None,
+            flat[2 * stats:2 * stats + counters].view(torch.int32) if counters else None)
 
 
-def postprocess_dq(rows: QueryRows, dq, add):
-    """dq <- (add: +=) the accumulator of rows, in dq's dtype; dq must be TMA-addressable."""
-    compiled(DqPostprocessConfig(DTYPE_NAMES[dq.dtype], dq.shape[-1], rows.tile_m, add))(rows.dq_acc, dq)
+def postprocess_dq(rows: QueryRows, dq, add, sums=None, dk=None, dv=None):
+    """dq <- (add: +=) the accumulator of rows, in dq's dtype; dq must be TMA-addressable. With
+    ``sums`` (flat fp32 dK/dV sums, dK's then dV's; dq stored, not added into) also dk, dv (flat,
+    contiguous, dq's dtype) <- the sums, in the same launch."""
+    config = DqPostprocessConfig(DTYPE_NAMES[dq.dtype], dq.shape[-1], rows.tile_m, add, cast_sums=sums is not None)
+    compiled(config)(rows.dq_acc, dq, sums, dk, dv)
 
 
 class QueryState:
