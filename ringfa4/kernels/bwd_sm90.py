@@ -51,10 +51,7 @@ instead of adding, so that it needs no zeroing; likewise the first of the head_s
 with two shares written in dtype (cluster_shares), the pair is one cluster instead: each stages
 its fp32 dK/dV in shared memory and each sums half the rows of both, in share order, from the
 pair's shared memory (the same bits, no fp32 sums to cast; 1.02-1.10x on an H200, where clusters
-of four ran slower: SMs wait until four of one GPC are free). Four shares are two such pairs
-(cluster_pairs): the first stores its sum in fp32 partials and counts its CTAs done on sem_kv, the
-second waits for that count, adds its own sum and writes dK/dV: ((s0 + s1) + (s2 + s3)), other
-bits than four ordered reduce-adds, as deterministic. Non-causal,
+of four ran slower: SMs wait until four of one GPC are free). Non-causal,
 in that order all N blocks of a head reach its first dQ tile together and block n waits n steps
 before it starts, and every tile's blocks then arrive one step apart, so each step's jitter adds up
 along the chain. Where the host knows the N CTAs fit on the GPU at once (``rotate`` = N), block n
@@ -163,7 +160,7 @@ class AttentionBackwardSm90:
     def __init__(self, dtype, head_dim: int, tile_m: int, causal: bool, deterministic: bool,
                  dkv_dtype, has_docs: bool = False, doc_order: bool = False, staggered: bool = False,
                  dq_warp_per_part: bool = False, whole_keys: bool = False, dq_warps_meet: bool = False,
-                 rotate_groups: bool = False, cluster_shares: int = 1, cluster_pairs: bool = False):
+                 rotate_groups: bool = False, cluster_shares: int = 1):
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             raise ValueError(f"dtype must be Float16 or BFloat16, got {dtype}")
         if head_dim not in (64, 128):
@@ -183,8 +180,6 @@ class AttentionBackwardSm90:
         if cluster_shares > 1 and not (deterministic and causal and not has_docs and dkv_dtype == dtype):
             raise ValueError("cluster_shares needs deterministic, causal, without documents, and dk/dv "
                              "in dtype (the cluster writes the shares' sum)")
-        if cluster_pairs and cluster_shares != 2:
-            raise ValueError("cluster_pairs needs cluster_shares 2 (two clusters of two shares)")
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -198,10 +193,6 @@ class AttentionBackwardSm90:
         # (K/V block, kv head) are one cluster of this many and sum their shares in shared
         # memory (_epilogue_shares), instead of in fp32 global sums cast afterwards.
         self.cluster_shares = cluster_shares
-        # Four shares as two such pairs (head_splits 4 at run time): the first pair's sum goes
-        # through fp32 partials in global memory to the second, which adds its own and writes
-        # dK/dV, ((s0 + s1) + (s2 + s3)); one wait instead of a chain of four ordered reduce-adds.
-        self.cluster_pairs = cluster_pairs
         self.stage_dtype = Float32 if cluster_shares > 1 else dkv_dtype
         self.doc_order = doc_order
         # The caller's promise that seqlen_k is a whole number of K/V blocks: not causal, the
@@ -318,8 +309,7 @@ class AttentionBackwardSm90:
                  mQueryBlocks: Optional[cute.Tensor], mKeyBlocks: Optional[cute.Tensor],
                  mOrder: Optional[cute.Tensor], mSemKV: Optional[cute.Tensor],
                  softmax_scale: Float32, head_splits: Int32, rotate: Int32, lpt: Int32,
-                 dq_fresh: Int32, dkv_fresh: Int32, mdKPart: Optional[cute.Tensor],
-                 mdVPart: Optional[cute.Tensor], stream):
+                 dq_fresh: Int32, dkv_fresh: Int32, stream):
         """q, dout (b, sq, h, d); k, v (b, sk, hk, d); lse2, delta (b, h, sq rounded up to
         tile_m) fp32, lse2 in log2 units with +inf on rows that see no key; dq_acc (b, h,
         sq tiles * tile_m * head_dim) fp32 in fragment order (dq_layout.py; added into); dk, dv
@@ -344,9 +334,7 @@ class AttentionBackwardSm90:
         (deterministic, without documents): each tile's first reduction then stores, so the
         caller need not zero dq_acc.
         dkv_fresh: the same for fp32 dk, dv (deterministic, without documents): the first share
-        of each (K/V block, kv head) stores, so the caller need not zero them.
-        dk_part, dv_part: with cluster_pairs (else None), fp32 (b, sk, hk, d) the first pair's
-        sums pass through, which nobody need zero; sem_kv then counts its CTAs done per block."""
+        of each (K/V block, kv head) stores, so the caller need not zero them."""
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype
                       or mV.element_type != self.dtype or mdO.element_type != self.dtype):
             raise TypeError("q, k, v, dout must all have the kernel's dtype")
@@ -356,12 +344,8 @@ class AttentionBackwardSm90:
             raise TypeError("dk, dv must have dkv_dtype")
         if const_expr(self.deterministic != (mSem is not None)):
             raise TypeError("sem is required exactly in deterministic mode")
-        if const_expr((self.deterministic and (self.cluster_shares == 1 or self.cluster_pairs))
-                      != (mSemKV is not None)):
-            raise TypeError("sem_kv is required exactly in deterministic mode without cluster_shares, "
-                            "or with cluster_pairs")
-        if const_expr(self.cluster_pairs != (mdKPart is not None and mdVPart is not None)):
-            raise TypeError("the fp32 partials dk_part, dv_part are required exactly with cluster_pairs")
+        if const_expr((self.deterministic and self.cluster_shares == 1) != (mSemKV is not None)):
+            raise TypeError("sem_kv is required exactly in deterministic mode without cluster_shares")
         if const_expr(self.has_docs != (mKeyBlocks is not None)):
             raise TypeError("the document ranges are required exactly when has_docs")
         if const_expr(self.doc_order != (mOrder is not None)):
@@ -371,8 +355,6 @@ class AttentionBackwardSm90:
         Storage = self._storage()
 
         mQ, mK, mV, mdO, mdK, mdV = (seq_major(t) for t in (mQ, mK, mV, mdO, mdK, mdV))
-        if const_expr(self.cluster_pairs):
-            mdKPart, mdVPart = seq_major(mdKPart), seq_major(mdVPart)
         mLSE, mDelta, mdQ = (rows_major(t) for t in (mLSE, mDelta, mdQ))
         if const_expr(self.deterministic):
             mSem = rows_major(mSem)
@@ -421,7 +403,6 @@ class AttentionBackwardSm90:
             self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout, self.sdS_layout,
             self.sdKV_layout, self.mma_sdp, self.mma_dkv, self.mma_dq, Storage,
             mQueryLo, mQueryHi, mQueryBlocks, mKeyBlocks, mOrder, mSemKV, tma_dk_store, tma_dv_store,
-            mdKPart, mdVPart,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                  **({"cluster": [1, self.cluster_shares, 1]} if const_expr(self.cluster_shares > 1) else {}))
 
@@ -445,8 +426,7 @@ class AttentionBackwardSm90:
                mQueryLo: Optional[cute.Tensor], mQueryHi: Optional[cute.Tensor],
                mQueryBlocks: Optional[cute.Tensor], mKeyBlocks: Optional[cute.Tensor],
                mOrder: Optional[cute.Tensor], mSemKV: Optional[cute.Tensor],
-               tma_dk_store: Optional[cute.CopyAtom], tma_dv_store: Optional[cute.CopyAtom],
-               mdKPart: Optional[cute.Tensor], mdVPart: Optional[cute.Tensor]):
+               tma_dk_store: Optional[cute.CopyAtom], tma_dv_store: Optional[cute.CopyAtom]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv_slot, batch = cute.arch.block_idx()
@@ -566,12 +546,9 @@ class AttentionBackwardSm90:
                 BwdStepScheduler(kv_slot * heads, m_block_min, steps_per_head, rotation),
                 num_steps)
             if const_expr(self.cluster_shares > 1):
-                share, pair = kv_slot - kv_head * head_splits, Int32(0)
-                if const_expr(self.cluster_pairs):  # the rank in its cluster, and which cluster
-                    share, pair = share % self.cluster_shares, share // self.cluster_shares
                 self._epilogue_shares(acc_dK, acc_dV, tiles, sdKV_layout, tdK, tdV, mma_dkv,
-                                      tidx - WG_THREADS, n_block, kv_head, batch, share,
-                                      st.mbar_shares.data_ptr(), pair, head_splits, mSemKV, mdKPart, mdVPart)
+                                      tidx - WG_THREADS, n_block, kv_head, batch,
+                                      kv_slot - kv_head * head_splits, st.mbar_shares.data_ptr())
             else:
                 self._epilogue_dkv(acc_dK, acc_dV, tiles, sdKV_layout, tdK, tdV, tma_dk, tma_dv,
                                    tma_dk_store, tma_dv_store, mma_dkv, tidx - WG_THREADS, n_block,
@@ -1128,17 +1105,12 @@ class AttentionBackwardSm90:
 
     @cute.jit
     def _epilogue_shares(self, acc_dK, acc_dV, tiles, sdKV_layout: cute.ComposedLayout, mdK, mdV,
-                         mma_dkv: cute.TiledMma, tidx, n_block, kv_head, batch, share, mbar_shares,
-                         pair, head_splits, mSemKV: Optional[cute.Tensor], mdKPart: Optional[cute.Tensor],
-                         mdVPart: Optional[cute.Tensor]):
+                         mma_dkv: cute.TiledMma, tidx, n_block, kv_head, batch, share, mbar_shares):
         """cluster_shares: each CTA of the cluster (one share of a (K/V block, kv head), its rank
-        ``share`` in the cluster) stages its fp32 dK, dV; once all have, CTA r sums rows
-        r * tile_n / S .. (r + 1) * tile_n / S - 1 of every share in share order, the order of the
-        fp32 reduce-adds without a cluster (so the same bits), and writes them in dtype. A CTA
-        leaves only after every peer has read its tiles.
-        cluster_pairs with head_splits 4: the first pair (``pair`` 0) stores its sum in the fp32
-        partials and counts its CTAs done on sem_kv; the second waits for both, adds its own sum
-        to the partials' and writes dK, dV."""
+        the share) stages its fp32 dK, dV; once all have, CTA r sums rows r * tile_n / S ..
+        (r + 1) * tile_n / S - 1 of every share in share order, the order of the fp32 reduce-adds
+        without a cluster (so the same bits), and writes them in dtype. A CTA leaves only after
+        every peer has read its tiles."""
         shares = self.cluster_shares
         mma_threads = NUM_MMA_WG * WG_THREADS
         staged, read = mbar_shares, mbar_shares + 1
@@ -1150,14 +1122,6 @@ class AttentionBackwardSm90:
                 cute.arch.mbarrier_arrive(staged, r)
         cute.arch.mbarrier_wait(staged, 0)
         cute.arch.fence_acq_rel_cluster()
-        paired = Int32(0)  # 1: this pair's sum goes to the partials; 2: it adds the partials'
-        if const_expr(self.cluster_pairs):
-            if head_splits > shares:
-                paired = pair + 1
-                if paired == 2:
-                    if tidx == 0:
-                        wait_turn(mSemKV[None, kv_head, batch].iterator + n_block, Int32(shares))
-                    cute.arch.barrier(barrier_id=BwdBarrier.EPILOGUE, number_of_threads=mma_threads)
         rows = self.tile_n // shares
         quads = self.head_dim // 4  # 16-byte pieces of a staged row
         seqlen_k = mdK.shape[0]
@@ -1178,39 +1142,16 @@ class AttentionBackwardSm90:
                     else:
                         cute.autovec_copy(src, part)
                         total.store(total.load() + part.load())
+                out = cute.make_rmem_tensor((4,), self.dtype)
+                out.store(total.load().to(self.dtype))
                 key = n_block * self.tile_n + row
                 if key < seqlen_k:
-                    if const_expr(self.cluster_pairs):
-                        mPart = mdVPart if t == 0 else mdKPart
-                        at = cute.local_tile(mPart[key, None, kv_head, batch], (4,), (col // 4,))
-                        if paired == 1:
-                            cute.autovec_copy(total, at)
-                        else:
-                            if paired == 2:
-                                cute.autovec_copy(at, part)
-                                total.store(part.load() + total.load())
-                            self._write_sum(total, mOut, key, col, kv_head, batch)
-                    else:
-                        self._write_sum(total, mOut, key, col, kv_head, batch)
+                    cute.autovec_copy(out, cute.local_tile(mOut[key, None, kv_head, batch], (4,), (col // 4,)))
         cute.arch.barrier(barrier_id=BwdBarrier.EPILOGUE, number_of_threads=mma_threads)
-        if const_expr(self.cluster_pairs):
-            if paired == 1:
-                if tidx == 0:
-                    # every thread's partials (ordered by the barrier) before the count
-                    cute.arch.fence_acq_rel_gpu()
-                    cute.arch.red(mSemKV[None, kv_head, batch].iterator + n_block, Int32(1), op="add",
-                                  dtype="s32", sem="release", scope="gpu")
         if tidx == 0:
             for r in cutlass.range_constexpr(shares):
                 cute.arch.mbarrier_arrive(read, r)
         cute.arch.mbarrier_wait(read, 0)
-
-    @cute.jit
-    def _write_sum(self, total, mOut, key, col, kv_head, batch):
-        """Four columns of a dK or dV row, in dtype."""
-        out = cute.make_rmem_tensor((4,), self.dtype)
-        out.store(total.load().to(self.dtype))
-        cute.autovec_copy(out, cute.local_tile(mOut[key, None, kv_head, batch], (4,), (col // 4,)))
 
 
 @cute.jit

@@ -61,7 +61,7 @@ def _bwd_args(cfg: BwdSm90Config):
     kernel = AttentionBackwardSm90(dt, cfg.head_dim, cfg.tile_m, cfg.causal, cfg.deterministic,
                                    Float32 if cfg.dkv_fp32 else dt, cfg.has_docs, cfg.doc_order, cfg.staggered,
                                    cfg.dq_warp_per_part, cfg.whole_keys, cfg.dq_warps_meet,
-                                   cfg.rotate_groups, cfg.cluster_shares, cfg.cluster_pairs)
+                                   cfg.rotate_groups, cfg.cluster_shares)
     b, sq, sk, h, hk, sq_pad, n_m, dq_len, n_n, n_turns = (cute.sym_int() for _ in range(10))
     d = cfg.head_dim
     dq_acc = _fake(Float32, (b, h, dq_len), align_elems=4)  # fragment order
@@ -69,8 +69,7 @@ def _bwd_args(cfg: BwdSm90Config):
     sem, sem_kv = ((cute.runtime.make_fake_tensor(Int32, (b, heads, n), stride=(cute.sym_int64(), n, 1),
                                                   assumed_align=4) if ordered else None)
                    for heads, n, ordered in ((h, n_turns, cfg.deterministic),
-                                             (hk, n_n, cfg.deterministic
-                                              and (cfg.cluster_shares == 1 or cfg.cluster_pairs))))
+                                             (hk, n_n, cfg.deterministic and cfg.cluster_shares == 1)))
     q, k, v, do = (_bshd(dt, b, s, n, d) for s, n in ((sq, h), (sk, hk), (sk, hk), (sq, h)))
     lse2, delta = (_fake(Float32, (b, h, sq_pad), align_elems=4) for _ in range(2))
     dk, dv = (_bshd(Float32 if cfg.dkv_fp32 else dt, b, sk, hk, d) for _ in range(2))
@@ -80,9 +79,8 @@ def _bwd_args(cfg: BwdSm90Config):
                                                 assumed_align=4) for n in (n_n, n_m))
         order = _fake(Int32, (b, cute.sym_int()), assumed_align=4) if cfg.doc_order else None
         docs = (*(_fake(Int32, (b, sk), assumed_align=4) for _ in range(2)), *blocks, order)
-    parts = (_bshd(Float32, b, sk, hk, d) for _ in range(2)) if cfg.cluster_pairs else (None, None)
     return kernel, (q, k, v, do, lse2, delta, dq_acc, dk, dv, sem, *docs, sem_kv, Float32(1.0), Int32(1), Int32(0),
-                    Int32(0), Int32(0), Int32(0), *parts, _stream())
+                    Int32(0), Int32(0), Int32(0), _stream())
 
 
 def _preprocess_args(cfg: BwdPreprocessConfig):

@@ -98,9 +98,6 @@ class BwdSm90Config:
     # kv head), this many, are a cluster that sums their dK/dV shares in shared memory.
     # 1: the shares add into fp32 sums in global memory, in a fixed order.
     cluster_shares: int = 1
-    # With cluster_shares 2 and four shares: two clusters, the first's sum passed to the second
-    # through fp32 partials in global memory.
-    cluster_pairs: bool = False
 
     @property
     def name(self) -> str:
@@ -111,8 +108,7 @@ class BwdSm90Config:
                 + ("_docorder" if self.doc_order else "") + ("_wholekeys" if self.whole_keys else "")
                 + ("_stagger" if self.staggered else "") + ("_dqwarp2" if self.dq_warp_per_part else "")
                 + ("_meet" if self.dq_warps_meet else "") + ("_groups" if self.rotate_groups else "")
-                + (f"_cluster{self.cluster_shares}" if self.cluster_shares > 1 else "")
-                + ("_pairs" if self.cluster_pairs else ""))
+                + (f"_cluster{self.cluster_shares}" if self.cluster_shares > 1 else ""))
 
 
 @dataclass(frozen=True)
@@ -230,21 +226,14 @@ def query_tile(head_dim: int) -> int:
     return 128 if head_dim == 64 else 64
 
 
-# The head_splits whose shares sum their dK/dV in clusters of two in the deterministic causal
-# backward (BwdSm90Config.cluster_shares; four: two clusters, cluster_pairs, not yet measured and
-# so not among them); other splits add into fp32 sums. Pairs ran 1.03-1.04x the fp32 sums at
-# b 16 x 2k and b 8 x 4k, hdim 128, 32/8 heads; clusters of 4 level at 1 x 2k and 0.93x / 0.84x at
-# 1 x 4k / 1 x 32k, where SMs idle until four of one GPC are free (H200, bench/RESULTS.md, "dK/dV
-# shares summed in a cluster").
+# The head_splits whose shares sum their dK/dV in a cluster in the deterministic causal
+# backward (BwdSm90Config.cluster_shares); other splits add into fp32 sums. Pairs ran 1.03-1.04x
+# the fp32 sums at b 16 x 2k and b 8 x 4k, hdim 128, 32/8 heads; clusters of 4 level at 1 x 2k and
+# 0.93x / 0.84x at 1 x 4k / 1 x 32k, where SMs idle until four of one GPC are free (H200,
+# bench/RESULTS.md, "dK/dV shares summed in a cluster"). Four shares as two cluster pairs, the
+# first pair's fp32 sum handed to the second, ran level with the fp32 sums (0.99-1.01x at 1 x 2k /
+# 4k hdim 128 and 1 x 32k / 2 x 16k hdim 64; RESULTS 2026-11-29 VIII) and were taken out again.
 CLUSTER_SHARES = (2,)
-
-
-def cluster_config(splits: int) -> dict:
-    """The BwdSm90Config fields of deterministic causal shares summed in clusters (CLUSTER_SHARES),
-    ``splits`` shares per (K/V block, kv head); 1: none."""
-    if splits == 1:
-        return {}
-    return {"cluster_shares": 2, "cluster_pairs": splits == 4}
 
 
 def bwd_defaults(dtype: str, head_dim: int, causal: bool, deterministic: bool, dkv_fp32: bool,
@@ -303,10 +292,10 @@ VARIANTS = (
        for dt, add in (("bf16", False), ("bf16", True), ("fp16", False), ("fp16", True), ("fp32", True))]
     + [DqPostprocessConfig(dt, d, query_tile(d), False, cast_sums=True) for dt in _DTYPES for d in _HEAD_DIMS]
     + list(dict.fromkeys(
-        replace(bwd_defaults(dt, d, c, det, f32, docs, whole, seqlen_k), **cluster_config(splits))
+        replace(bwd_defaults(dt, d, c, det, f32, docs, whole, seqlen_k), cluster_shares=shares)
         for docs in (False, True) for dt in _DTYPES for d in _HEAD_DIMS for c in (False, True)
         for det in (False, True) for f32 in (False, True)
         for whole in (False, True) for seqlen_k in (None, MEET_KEYS[64])
-        for splits in ((1, *CLUSTER_SHARES) if det and c and not (f32 or docs) else (1,))))
+        for shares in ((1, *CLUSTER_SHARES) if det and c and not (f32 or docs) else (1,))))
     + [MergeConfig(out, part, d) for part in _DTYPES for out in (part, "fp32") for d in _HEAD_DIMS]
 )

@@ -16,8 +16,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ringfa4.backends import DqBuffer
-from ringfa4.backends.cute.configs import (CLUSTER_SHARES, BwdSm90Config, bwd_defaults, cluster_config,
-                                           fwd_defaults, query_tile)
+from ringfa4.backends.cute.configs import (CLUSTER_SHARES, BwdSm90Config, bwd_defaults, fwd_defaults,
+                                           query_tile)
 from ringfa4.backends.cute.launch import (capability, compiled, device_index, dq_turn_counters, dsl_installed,
                                           key_tile, num_sms)
 from ringfa4.backends.cute.query_state import (FLAT_MAX, QueryRows, QueryState, padded_rows, postprocess_dq,
@@ -385,8 +385,8 @@ def head_splits(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, de
     fastest split but at 2k, RESULTS 2026-11-26 night).
 
     Deterministic mode orders each dQ tile's reductions over the K/V blocks, and the shares'
-    dK/dV reduce-adds by query head (causal shares written in dtype sum in clusters of two
-    instead, CLUSTER_SHARES). Causal, a group of 4 heads per CTA ran at 0.69-0.73x of the
+    dK/dV reduce-adds by query head (causal pairs written in dtype sum in a cluster instead,
+    CLUSTER_SHARES). Causal, a group of 4 heads per CTA ran at 0.69-0.73x of the
     default at 2k-4k keys and 0.57-0.64x at 8k-32k with hdim 128 (H100, 32/8 heads), against
     0.84-0.95x with one head per CTA; with hdim 64 unsplit stays ahead up to 8k (0.94-0.99x against
     0.67-0.96x) and falls behind from 16k (0.89x against 0.92x; 0.66x against 0.96x at 32k). So
@@ -510,7 +510,7 @@ def _backward_plan(dtype, b, sq, sk, h, hk, d, causal, deterministic, sms, has_d
     sums = splits > 1 and not (cluster or given_fp32)
     config = bwd_defaults(dtype, d, causal, deterministic, given_fp32 or sums, has_docs, sk % key_tile() == 0, sk)
     if cluster:
-        config = replace(config, **cluster_config(splits))
+        config = replace(config, cluster_shares=splits)
     return _BackwardPlan(splits, sums, config, rotation_group(sk, causal, deterministic, sms, config.rotate_groups),
                          int(launches_lpt(b, sq, h, d, causal, deterministic, has_docs)))
 
@@ -542,7 +542,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     dq_fresh = first_turns and not isinstance(dq, QueryRows)
     sums_shape = (2, *k.shape) if plan.sums else None
     # Deterministic: turn counters ordering the dQ tiles' and the dK/dV blocks' reductions.
-    tile_m, kv_turns = query_tile(d), config.cluster_shares == 1 or config.cluster_pairs
+    tile_m, kv_turns = query_tile(d), config.cluster_shares == 1
     n_q = padded_rows(sq, tile_m) // tile_m * dq_turn_counters(config.dq_warp_per_part) if deterministic else 0
     n_n = -(-sk // key_tile()) if deterministic and kv_turns else 0
     n_counters = b * (h * n_q + hk * n_n)
@@ -570,12 +570,9 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, d
     if doc_ids is not None:
         order = launch_order(doc_ids, causal, tile_m, hk * plan.splits) if config.doc_order else None
         docs = (*visible_blocks(doc_ids, causal, tile_m), order)
-    # cluster_pairs: the first pair's sums on their way to the second, written before read
-    parts = (torch.empty((2, *k.shape), dtype=torch.float32, device=k.device).unbind(0) if config.cluster_pairs
-             else (None, None))
     compiled(config)(q.detach(), k.detach(), v.detach(), dout, rows.lse2, rows.delta, rows.dq_acc,
                      dk_out, dv_out, sems[0], *docs, sems[1], scale, plan.splits, plan.rotation, plan.lpt,
-                     int(dq_fresh), int(first_turns and plan.sums), *parts)
+                     int(dq_fresh), int(first_turns and plan.sums))
 
     # The split shares' sums become new dk, dv in dtype (two tensors: an operator's results may
     # not alias), written by the postprocess where it writes a new dq, else cast here.
