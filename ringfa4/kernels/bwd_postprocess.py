@@ -44,7 +44,7 @@ class DqPostprocess:
     def __call__(self, mAcc: cute.Tensor, mdQ: cute.Tensor, mSums: Optional[cute.Tensor],
                  mdK: Optional[cute.Tensor], mdV: Optional[cute.Tensor], stream):
         """acc (b, h, tiles * tile_m * head_dim) fp32; dq (b, s, h, head_dim). sums: None, or
-        the flat fp32 dK/dV sums (2 n of them, at most query_state.FLAT_MAX: 32-bit indices; n a
+        the flat fp32 dK/dV sums (2 n of them, at most query_rows.FLAT_MAX: 32-bit indices; n a
         multiple of 4; 16-byte aligned) to write into dk, dv (flat, n each, of dq's dtype)."""
         grid = (cute.ceil_div(mdQ.shape[1], self.tile_m), mdQ.shape[2], mdQ.shape[0])
         self.kernel(mAcc, mdQ, mSums, mdK, mdV).launch(grid=grid, block=[self.threads, 1, 1], stream=stream)

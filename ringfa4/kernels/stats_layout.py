@@ -6,7 +6,7 @@ An MMA thread of the backward holds S^T and dP^T, whose columns are query rows: 
 in row order those four are two 8-byte loads apart; stored with row 8 h + 2 c + e of a group at
 4 c + 2 h + e they are one 16-byte load, which halves the shared-memory loads of a step's
 statistics (16 fewer instructions per step at tile_m 128). The permutation stays within a group,
-so within a query tile: slices of whole tiles (query_state.QueryState.rows) keep it.
+so within a query tile: slices of whole tiles (query_rows.QueryState.rows) keep it.
 """
 import cutlass
 import cutlass.cute as cute

@@ -3,7 +3,6 @@
 Error bound for each gradient: 2x the error of PyTorch doing the same computation in the input
 precision (fp16/bf16 matmuls, fp32 softmax) against fp64, plus 1e-4 absolute.
 """
-import importlib
 import math
 import os
 import sys
@@ -23,9 +22,8 @@ if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
     import ringfa4.backends.cute as cute_backend
     from ringfa4.backends.cute.configs import bwd_defaults, query_tile
     from ringfa4.backends.cute.launch import key_tile
-    # the package's query_state() shadows the module of that name as its attribute
-    query_state_module = importlib.import_module("ringfa4.backends.cute.query_state")
-    from ringfa4.backends.cute.query_state import QueryRows, QueryState, padded_rows, query_rows
+    from ringfa4.backends.cute import query_rows as query_rows_module
+    from ringfa4.backends.cute.query_rows import QueryRows, QueryState, padded_rows, query_rows
 else:
     pytestmark = [pytest.mark.gpu, pytest.mark.skip(reason="needs a Hopper (sm_90) GPU")]
 
@@ -371,7 +369,7 @@ def test_preprocess_zeroes_the_accumulator_sums_and_counters_it_allocates(b, s, 
     of the counters, the accumulator or the sums unzeroed; without zeroing (dq_fresh calls) the
     counters are zeroed and the NaN is still in the rest, so the poison did land."""
     if not in_kernel:
-        monkeypatch.setattr(query_state_module, "FLAT_MAX", 0)
+        monkeypatch.setattr(query_rows_module, "FLAT_MAX", 0)
     q, k, v, dout = _inputs(b, s, s, h, hk, d, torch.bfloat16, seed=21)
     out, lse = cute_backend.forward(q, k, v, False, None)
     padded = padded_rows(s, query_tile(d))

@@ -1,7 +1,7 @@
 """Our own CuTe DSL kernels (ringfa4.kernels) on Hopper (sm_90): the host side.
 
 - interface:   the backend contract (unsupported_reason, forward, backward, query_state)
-- query_state: the backward's per-query preprocess, dQ accumulator and postprocess
+- query_rows:  the backward's per-query preprocess, dQ accumulator and postprocess
 - merge:       launch of the ring's merge kernel
 - tensors:     dtypes and the addressing (TMA) the kernels need of torch tensors
 - configs:     compile-time configurations and the shipped variants

@@ -20,7 +20,7 @@ from ringfa4.backends.cute.configs import (CLUSTER_SHARES, BwdSm90Config, bwd_de
                                            query_tile)
 from ringfa4.backends.cute.launch import (capability, compiled, device_index, dq_turn_counters, dsl_installed,
                                           key_tile, num_sms)
-from ringfa4.backends.cute.query_state import (FLAT_MAX, QueryRows, QueryState, padded_rows, postprocess_dq,
+from ringfa4.backends.cute.query_rows import (FLAT_MAX, QueryRows, QueryState, padded_rows, postprocess_dq,
                                                query_rows)
 from ringfa4.backends.cute.tensors import (DTYPE_NAMES, INPUT_DTYPES, layout_reason, tma_compatible,
                                            tma_ready)

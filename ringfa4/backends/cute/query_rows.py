@@ -1,6 +1,9 @@
 """The backward's per-query work, done once per set of queries: the preprocess (lse in log2
 units, delta = scale * rowsum(dO * O)), the fragment-order dQ accumulator the backward kernel
-adds into (ringfa4.kernels.dq_layout) and the postprocess that puts dQ back in (b, s, h, d)."""
+adds into (ringfa4.kernels.dq_layout) and the postprocess that puts dQ back in (b, s, h, d)
+(and, where split shares summed dK/dV in fp32, casts the sums).
+
+Named query_rows, not query_state: the package exports the backend contract's query_state()."""
 import math
 from dataclasses import dataclass
 
