@@ -547,24 +547,6 @@ def test_causal_backward_launches_longest_walks_first_only_for_small_calls():
     assert not launches_lpt(1, 4096, 32, 128, True, False, True)
 
 
-def test_deterministic_causal_backward_launches_slots_longest_first_only_where_a_slot_fits():
-    """slots_longest_first (host side): deterministic causal calls whose K/V blocks fit on half
-    the SMs (a slot's longest walk waits on CTAs launched after it); not longer ones, not the
-    default mode (launches_lpt's), non-causal, documents or cluster shares (their own orders)."""
-    from ringfa4.backends.cute.interface import _backward_plan, slots_longest_first
-
-    sms = 132
-    assert slots_longest_first(2048, True, True, False, False, sms)
-    assert slots_longest_first(66 * 128, True, True, False, False, sms)
-    assert not slots_longest_first(66 * 128 + 1, True, True, False, False, sms)
-    assert not slots_longest_first(2048, True, False, False, False, sms)
-    assert not slots_longest_first(2048, False, True, False, False, sms)
-    assert not slots_longest_first(2048, True, True, True, False, sms)
-    assert not slots_longest_first(2048, True, True, False, True, sms)
-    assert _backward_plan("bf16", 1, 4096, 4096, 32, 8, 128, True, True, sms, False, None, False).lpt == 1
-    assert _backward_plan("bf16", 1, 16384, 16384, 32, 8, 128, True, True, sms, False, None, False).lpt == 0
-
-
 def test_backward_gives_every_query_head_a_cta_in_non_causal_calls_with_documents():
     """Documents make the K/V blocks' walks uneven: a non-causal call (a ring's remote step)
     splits the whole group, whatever the CTA count; causal and deterministic calls keep the rule."""

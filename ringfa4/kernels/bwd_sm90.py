@@ -45,34 +45,33 @@ Deterministic mode orders the dQ reductions: the reduction of KV block j into a 
 per-tile counter until the blocks before it in a fixed order have landed (ascending, or descending
 for causal so that no CTA waits for the long-running low blocks). CTAs are launched with the KV
 block as the fastest grid index, in that same order, so a CTA only ever waits on CTAs launched
-before it (causal with ``lpt``, each slot's longest walk first instead: a CTA then waits on CTAs of
-its slot launched after it, all on the GPU at once, which the host checks). Into an accumulator of
-the call's own (dq_fresh), a tile's first reduction stores instead of adding, so that it needs no
-zeroing; likewise the first of the head_splits shares of a (K/V block, kv head) stores its dK and
-dV into fp32 sums of the call's own (dkv_fresh). Causal, with two shares written in dtype
-(cluster_shares), the pair is one cluster instead: each stages its fp32 dK/dV in shared memory and
-each sums half the rows of both, in share order, from the pair's shared memory (the same bits, no
-fp32 sums to cast; 1.02-1.10x on an H200, where clusters of four ran slower: SMs wait until four of
-one GPC are free). Non-causal, in that order all N blocks of a head reach its first dQ tile
-together and block n waits n steps before it starts, and every tile's blocks then arrive one step
-apart, so each step's jitter adds up along the chain. Where the host knows the N CTAs fit on the
-GPU at once (``rotate`` = N), block n instead walks the query blocks from n * M / N on, wrapping
-around, and each tile's order is the order the blocks reach it in: in lockstep no CTA waits. Where
-they do not (``rotate_groups``), the blocks rotate in groups of ``rotate`` that do: a batch row's
-CTAs launch group by group (every kv head's group j before any group j + 1), block n of a group of
-G walks from n * M / G on, and a tile takes every block of group j before those of group j + 1,
-which ran earlier. With documents, rows that are one document walk rotated, when the N CTAs fit
-(the same bits as without). With a dQ warp per part (above; bwd_defaults' choice in deterministic
-mode), each warp group's half of a dQ tile has a counter of its own: staggered, group 0's half
-arrives a step late, and its order then runs a step behind group 1's instead of holding both up (on
-an H100 1.04x at head_dim 64, 1.09x at 128, bench/RESULTS.md). The two warps may also meet every
-step (dq_warps_meet): warp 2 takes group 1's part only once warp 1 has taken group 0's part of the
-same step, which keeps group 1 from running ahead as one warp for both parts would, while each warp
-waits for its own turns and landings (one warp for both parts, its waits queued, ran 0.79-0.84x of
-two). configs.MEET_KEYS says where that is faster. Meeting leaves a warp no step of slack for its
-reduction's landing, so there it hands its buffer back once the reduction has read it, before the
-landing and the turn pass (1.01-1.05x at the meeting shapes on an H200; where the warps keep apart,
-and at head_dim 128, that was level or slower: bench/RESULTS.md).
+before it. Into an accumulator of the call's own (dq_fresh), a tile's first reduction stores
+instead of adding, so that it needs no zeroing; likewise the first of the head_splits shares of a
+(K/V block, kv head) stores its dK and dV into fp32 sums of the call's own (dkv_fresh). Causal,
+with two shares written in dtype (cluster_shares), the pair is one cluster instead: each stages
+its fp32 dK/dV in shared memory and each sums half the rows of both, in share order, from the
+pair's shared memory (the same bits, no fp32 sums to cast; 1.02-1.10x on an H200, where clusters
+of four ran slower: SMs wait until four of one GPC are free). Non-causal,
+in that order all N blocks of a head reach its first dQ tile together and block n waits n steps
+before it starts, and every tile's blocks then arrive one step apart, so each step's jitter adds up
+along the chain. Where the host knows the N CTAs fit on the GPU at once (``rotate`` = N), block n
+instead walks the query blocks from n * M / N on, wrapping around, and each tile's order is the
+order the blocks reach it in: in lockstep no CTA waits. Where they do not (``rotate_groups``), the
+blocks rotate in groups of ``rotate`` that do: a batch row's CTAs launch group by group (every kv
+head's group j before any group j + 1), block n of a group of G walks from n * M / G on, and a tile
+takes every block of group j before those of group j + 1, which ran earlier. With documents, rows
+that are one document walk rotated, when the N CTAs fit (the same bits as without).
+With a dQ warp per part (above; bwd_defaults' choice in deterministic mode), each warp group's
+half of a dQ tile has a counter of its own: staggered, group 0's half arrives a step late, and
+its order then runs a step behind group 1's instead of holding both up (on an H100 1.04x at
+head_dim 64, 1.09x at 128, bench/RESULTS.md). The two warps may also meet every step
+(dq_warps_meet): warp 2 takes group 1's part only once warp 1 has taken group 0's part of the
+same step, which keeps group 1 from running ahead as one warp for both parts would, while each
+warp waits for its own turns and landings (one warp for both parts, its waits queued, ran
+0.79-0.84x of two). configs.MEET_KEYS says where that is faster. Meeting leaves a warp no step
+of slack for its reduction's landing, so there it hands its buffer back once the reduction has
+read it, before the landing and the turn pass (1.01-1.05x at the meeting shapes on an H200;
+where the warps keep apart, and at head_dim 128, that was level or slower: bench/RESULTS.md).
 
 Packed documents (has_docs, one variant for every boundary set): a CTA walks only the query
 tiles its keys' documents reach (from the host, with per query tile the run of K/V blocks that
@@ -330,8 +329,7 @@ class AttentionBackwardSm90:
         the K/V blocks per rotated group (the kv blocks; fewer only with rotate_groups): the
         caller's promise that that many CTAs fit on the GPU at once.
         lpt: nonzero to launch each batch row's CTAs longest walk first (causal, not
-        deterministic, without doc_order; see the module docstring); deterministic causal,
-        each slot's (kv head share's) K/V blocks longest walk first, instead of shortest first.
+        deterministic, without doc_order; see the module docstring).
         dq_fresh: nonzero when dq_acc holds nothing yet and every dQ tile has a first turn
         (deterministic, without documents): each tile's first reduction then stores, so the
         caller need not zero dq_acc.
@@ -457,12 +455,9 @@ class AttentionBackwardSm90:
                 n_block = group * rotate + i - kv_slot * size
         kv_head = kv_slot // head_splits
         if const_expr(self.causal and self.deterministic):
-            if lpt == 0:
-                # Shortest KV blocks first: with the reversed reduction order of _store_dq, the
-                # block a CTA waits for was launched before it and is one step ahead of it.
-                # (With lpt, longest first: a CTA then waits on CTAs of its slot launched after
-                # it, which the caller promises fit on the GPU together.)
-                n_block = num_n_blocks - 1 - n_block
+            # Shortest KV blocks first: with the reversed reduction order of _store_dq, the
+            # block a CTA waits for was launched before it and is one step ahead of it.
+            n_block = num_n_blocks - 1 - n_block
 
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dk, tma_dv,

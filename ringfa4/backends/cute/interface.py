@@ -490,33 +490,19 @@ def _added(given, fresh):
     return fresh if given is None else given.add_(fresh)
 
 
-def slots_longest_first(seqlen_k, causal, deterministic, has_docs, cluster, sms):
-    """Whether the deterministic causal backward launches each slot's (kv head share's) K/V
-    blocks longest walk first instead of shortest first (the kernel's lpt; the reduction order,
-    and so the bits, stay the same). Its longest walk then waits on CTAs of its slot launched
-    after it, so the slot's K/V blocks must fit on the GPU at once: at most half the SMs, the
-    rest left to whatever runs beside it (a ring's NCCL kernels). H200, 32/8 heads (RESULTS
-    2026-11-29 IX): 1.017x / 1.020x at 1 x 2k / 4k (hdim 128), 1.021x at 8 x 4k 16/16, 1.000x at
-    1 x 8k, 1.001-1.006x at hdim 64; launch groups of two or four slots, longest first across
-    them, ran 0.97-1.01x. Not measured with documents or cluster shares, which keep their
-    order."""
-    return (causal and deterministic and not (has_docs or cluster)
-            and -(-seqlen_k // key_tile()) <= sms // 2)
-
-
 class _BackwardPlan(NamedTuple):
     splits: int  # head_splits
     sums: bool  # the shares add into fp32 sums of the call's own, cast to dtype after
     config: BwdSm90Config
     rotation: int  # rotation_group
-    lpt: int  # launches_lpt, or deterministic slots_longest_first, as the kernel's flag
+    lpt: int  # launches_lpt, as the kernel's flag
 
 
 def _backward_plan(dtype, b, sq, sk, h, hk, d, causal, deterministic, sms, has_docs, longest, given_fp32):
     """The backward's choices for these inputs, before anything is allocated. ``given_fp32``:
     the caller's dk/dv are fp32 buffers the kernel can address (it adds into them). Not cached:
-    tests replace what it reads (CLUSTER_SHARES, bwd_defaults, launches_lpt,
-    slots_longest_first) to run other variants, and it costs a few microseconds."""
+    tests replace what it reads (CLUSTER_SHARES, bwd_defaults, launches_lpt) to run other
+    variants, and it costs a few microseconds."""
     splits = head_splits(b, sq, sk, h, hk, d, causal, deterministic, sms, has_docs, longest)
     # Split shares sum dK/dV into the caller's fp32 buffers, or in fp32 sums of the call's own
     # (deterministic: in a fixed order), or, deterministic and causal, in clusters of the shares.
@@ -525,10 +511,8 @@ def _backward_plan(dtype, b, sq, sk, h, hk, d, causal, deterministic, sms, has_d
     config = bwd_defaults(dtype, d, causal, deterministic, given_fp32 or sums, has_docs, sk % key_tile() == 0, sk)
     if cluster:
         config = replace(config, cluster_shares=splits)
-    lpt = (slots_longest_first(sk, causal, deterministic, has_docs, cluster, sms) if deterministic
-           else launches_lpt(b, sq, h, d, causal, deterministic, has_docs))
     return _BackwardPlan(splits, sums, config, rotation_group(sk, causal, deterministic, sms, config.rotate_groups),
-                         int(lpt))
+                         int(launches_lpt(b, sq, h, d, causal, deterministic, has_docs)))
 
 
 def backward(dout, q, k, v, out, lse, causal, softmax_scale, dq=None, dk=None, dv=None,
